@@ -1,0 +1,80 @@
+"""JAX version shims: every difference between the supported JAX releases lives here.
+
+Supported: JAX 0.10.x and 0.11.x. Nothing else in the package imports from
+``jax.experimental.compute_on`` or reads memory spaces off abstract values.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, Callable, Sequence
+
+import jax
+from jax.experimental import compute_on as _compute_on_module
+
+# ``jax.memory.Space`` names the two memory spaces a jitted value can be typed
+# with. ``Host`` lowers to the ``pinned_host`` memory kind.
+DEVICE = jax.memory.Space.Device
+HOST = jax.memory.Space.Host
+
+
+def _resolve_host_compute_decorator() -> Callable[..., Any]:
+  """Returns the decorator form of ``compute_on`` for this JAX.
+
+  JAX 0.10 has ``compute_on`` (a context manager) and ``compute_on2`` (a
+  decorator taking ``out_memory_spaces``). JAX 0.11 dropped the context manager
+  and renamed ``compute_on2`` to ``compute_on``.
+  """
+  decorator = getattr(_compute_on_module, "compute_on2", None)
+  if decorator is not None:
+    return decorator
+  candidate = _compute_on_module.compute_on
+  try:
+    parameters = inspect.signature(candidate).parameters
+  except (TypeError, ValueError):  # pragma: no cover - builtins without signature
+    parameters = {}
+  if "out_memory_spaces" not in parameters:  # pragma: no cover - unsupported JAX
+    raise ImportError(
+        "optax_hybrid needs jax.experimental.compute_on with an "
+        "`out_memory_spaces` argument (JAX 0.10 or 0.11); found JAX "
+        f"{jax.__version__}."
+    )
+  return candidate
+
+
+_host_compute_decorator = _resolve_host_compute_decorator()
+
+
+def host_compute(fn: Callable[..., Any], out_memory_spaces: Any) -> Callable[..., Any]:
+  """Wraps ``fn`` so that it runs on the host CPU (XLA host compute).
+
+  Every array argument of the wrapped function must already live in host
+  memory; ``out_memory_spaces`` is a pytree prefix of ``fn``'s outputs giving
+  the memory space of each (``HOST`` keeps results in host memory).
+  """
+  return _host_compute_decorator(
+      fn, compute_type="device_host", out_memory_spaces=out_memory_spaces
+  )
+
+
+def memory_space_of(x: Any) -> Any:
+  """The memory space (``DEVICE`` or ``HOST``) of an array or tracer."""
+  space = getattr(jax.typeof(x), "memory_space", DEVICE)
+  # ``MemorySpace.Any`` is what an unconstrained abstract value reports; it is
+  # materialized in device memory.
+  return HOST if space == HOST else DEVICE
+
+
+def is_tracer(x: Any) -> bool:
+  return isinstance(x, jax.core.Tracer)
+
+
+def move(x: Any, space: Any) -> Any:
+  """Moves an array to a memory space, keeping its sharding; a no-op if already there."""
+  if memory_space_of(x) == space:
+    return x
+  return jax.device_put(x, space)
+
+
+def move_all(xs: Sequence[Any], space: Any) -> list[Any]:
+  return [move(x, space) for x in xs]

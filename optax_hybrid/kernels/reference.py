@@ -1,0 +1,117 @@
+r"""The HybridAdam / AdamW update rule, once, in plain ``jax.numpy``.
+
+This is the single source of truth for the arithmetic: every kernel
+(``kernel="xla"`` uses it directly) is tested against it, and it is tested
+against an independent float64 NumPy model of ``torch.optim.AdamW``.
+
+For one leaf, with :math:`t` the 1-based step, all in float32:
+
+.. math::
+
+  g &\leftarrow g + \lambda p \quad \text{(L2 mode, adamw\_mode=False, only)} \\
+  m &\leftarrow \beta_1 m + (1 - \beta_1) g \\
+  v &\leftarrow \beta_2 v + (1 - \beta_2) g^2 \\
+  d &= \sqrt{v} / \sqrt{1 - \beta_2^t} + \epsilon \\
+  u &= -\eta \lambda p \;\text{(AdamW mode only)}\; - \frac{\eta}{1 - \beta_1^t} \frac{m}{d}
+
+and the new parameter is :math:`p + u`. ``bias_correction=False`` replaces
+both :math:`1 - \beta^t` factors by 1. :math:`\epsilon` sits outside the
+square root of :math:`\hat v`, as in PyTorch, ColossalAI and Optax.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+
+
+class AdamScalars(NamedTuple):
+  """The per-step scalars of one update, float32, computed once per step.
+
+  ``learning_rate`` multiplies the whole step with a minus sign; the
+  ``scale_by_hybrid_adam`` building block passes ``-1`` to get the raw Adam
+  direction.
+  """
+
+  learning_rate: jax.Array
+  b1: jax.Array
+  b2: jax.Array
+  eps: jax.Array
+  weight_decay: jax.Array
+  bias_correction1: jax.Array  # 1 - b1**t, or 1 without bias correction
+  bias_correction2_sqrt: jax.Array  # sqrt(1 - b2**t), or 1
+
+
+def step_scalars(
+    count: jax.Array,
+    learning_rate,
+    b1,
+    b2,
+    eps,
+    weight_decay,
+    bias_correction: bool,
+) -> AdamScalars:
+  """Builds :class:`AdamScalars` for the update that follows ``count`` earlier ones."""
+  f32 = lambda x: jnp.asarray(x, dtype=jnp.float32)
+  b1, b2 = f32(b1), f32(b2)
+  if bias_correction:
+    t = count.astype(jnp.float32) + 1.0
+    bc1 = 1.0 - b1**t
+    bc2_sqrt = jnp.sqrt(1.0 - b2**t)
+  else:
+    bc1 = bc2_sqrt = jnp.ones([], jnp.float32)
+  return AdamScalars(f32(learning_rate), b1, b2, f32(eps), f32(weight_decay), bc1, bc2_sqrt)
+
+
+def adam_leaf_update(
+    grad: jax.Array,
+    mu: jax.Array,
+    nu: jax.Array,
+    param: jax.Array | None,
+    s: AdamScalars,
+    *,
+    adamw_mode: bool,
+    decay: bool,
+    update_dtype,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """One leaf's step. Returns ``(update, new_mu, new_nu)`` in their storage dtypes.
+
+  ``decay`` says whether this leaf takes weight decay (the mask); ``param`` may
+  be ``None`` only when it does not.
+  """
+  g = grad.astype(jnp.float32)
+  if decay:
+    p = param.astype(jnp.float32)
+    if not adamw_mode:
+      g = g + s.weight_decay * p
+  m = s.b1 * mu.astype(jnp.float32) + (1.0 - s.b1) * g
+  v = s.b2 * nu.astype(jnp.float32) + (1.0 - s.b2) * (g * g)
+  denom = jnp.sqrt(v) / s.bias_correction2_sqrt + s.eps
+  update = -(s.learning_rate / s.bias_correction1) * (m / denom)
+  if decay and adamw_mode:
+    update = update - (s.learning_rate * s.weight_decay) * p
+  return update.astype(update_dtype), m.astype(mu.dtype), v.astype(nu.dtype)
+
+
+def update_leaves(
+    grads: Sequence[jax.Array],
+    mus: Sequence[jax.Array],
+    nus: Sequence[jax.Array],
+    params: Sequence[jax.Array | None],
+    decays: Sequence[bool],
+    update_dtypes: Sequence,
+    s: AdamScalars,
+    *,
+    adamw_mode: bool,
+) -> tuple[list, list, list]:
+  """Applies :func:`adam_leaf_update` leaf by leaf; XLA fuses each leaf's step."""
+  outs = [
+      adam_leaf_update(g, m, v, p, s, adamw_mode=adamw_mode, decay=d, update_dtype=dt)
+      for g, m, v, p, d, dt in zip(grads, mus, nus, params, decays, update_dtypes)
+  ]
+  if not outs:
+    return [], [], []
+  updates, new_mus, new_nus = (list(x) for x in zip(*outs))
+  return updates, new_mus, new_nus

@@ -1,0 +1,356 @@
+"""Where optimizer state lives and where each leaf's update is computed.
+
+Two memory kinds are used for state: ``"device"`` (accelerator memory) and
+``"pinned_host"`` (page-locked host memory the accelerator reads by DMA). The
+place an update runs follows its parameter:
+
+* a parameter in device memory is updated on the device; moments kept in host
+  memory are streamed in, updated by the fused step and streamed back;
+* a parameter in host memory is updated on the host CPU with XLA host compute
+  (``compute_on('device_host')``): its gradient moves to the host, and the new
+  moments and the update stay there.
+
+Under ``jit`` the memory space is part of an array's type, so all of this is
+decided at trace time and costs nothing per step beyond the copies themselves.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.extend  # noqa: F401  (jax.extend.core.Jaxpr types, for walking jaxprs)
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import SingleDeviceSharding
+
+from optax_hybrid import _compat
+from optax_hybrid._compat import DEVICE, HOST
+
+DEVICE_KIND = "device"
+HOST_KIND = "pinned_host"
+STATE_MEMORY_KINDS = (DEVICE_KIND, HOST_KIND)
+
+_SPACE_OF_KIND = {DEVICE_KIND: DEVICE, HOST_KIND: HOST}
+_KIND_OF_SPACE = {DEVICE: DEVICE_KIND, HOST: HOST_KIND}
+
+MemoryKindSpec = Any  # None | str | Callable[[tuple, Any], str | None]
+
+
+# ---------------------------------------------------------------------------
+# Memory kinds: validation and resolution
+# ---------------------------------------------------------------------------
+
+
+def available_memory_kinds(device: jax.Device | None = None) -> tuple[str, ...]:
+  """The memory kinds a device can address (default: the first default device)."""
+  device = jax.devices()[0] if device is None else device
+  return tuple(sorted({m.kind for m in device.addressable_memories()}))
+
+
+def check_memory_kind(kind: Any, device: jax.Device | None = None, *, argument: str = "state_memory_kind") -> str:
+  """Validates a memory kind name for state, against what ``device`` offers.
+
+  Raises:
+    ValueError: if ``kind`` is not one of ``STATE_MEMORY_KINDS`` or the device
+      does not have it (the message lists the kinds it has).
+  """
+  if not isinstance(kind, str) or kind not in STATE_MEMORY_KINDS:
+    raise ValueError(
+        f"`{argument}`={kind!r} is not a supported memory kind for optimizer "
+        f"state; use None (beside each parameter), 'device' or 'pinned_host', "
+        "or a callable (path, param) -> one of those."
+    )
+  device = jax.devices()[0] if device is None else device
+  kinds = available_memory_kinds(device)
+  if kind not in kinds:
+    raise ValueError(
+        f"`{argument}`={kind!r} is not available on {device.platform} device "
+        f"{device.id}: it has memory kinds {', '.join(map(repr, kinds))}. Use "
+        "one of those, or state_memory_kind=None to keep state beside the params."
+    )
+  return kind
+
+
+def check_memory_kind_spec(spec: MemoryKindSpec) -> MemoryKindSpec:
+  """Early validation of ``state_memory_kind`` when the optimizer is built."""
+  if spec is None or callable(spec):
+    return spec
+  return check_memory_kind(spec)
+
+
+def memory_kind_of(x: Any) -> str:
+  """``"device"`` or ``"pinned_host"``: the memory an array or tracer lives in."""
+  return _KIND_OF_SPACE[_compat.memory_space_of(x)]
+
+
+def _param_memory_kind(param: Any) -> str:
+  if isinstance(param, jax.ShapeDtypeStruct):
+    sharding = getattr(param, "sharding", None)
+    kind = getattr(sharding, "memory_kind", None)
+    return HOST_KIND if kind in ("pinned_host", "unpinned_host") else DEVICE_KIND
+  if isinstance(param, jax.Array):
+    return memory_kind_of(param)
+  return DEVICE_KIND
+
+
+def _devices_of(param: Any) -> Sequence[jax.Device]:
+  sharding = getattr(param, "sharding", None)
+  if sharding is not None and not _compat.is_tracer(param):
+    return list(sharding.device_set)
+  return [jax.devices()[0]]
+
+
+def resolve_state_kinds(params: Any, spec: MemoryKindSpec) -> Any:
+  """The memory kind of each leaf's state, as a tree shaped like ``params``.
+
+  ``None`` keeps state beside its parameter; a string applies to every leaf; a
+  callable ``(path, param) -> kind or None`` chooses per leaf.
+  """
+
+  def resolve(path, param):
+    if callable(spec):
+      kind = spec(path, param)
+      argument = f"state_memory_kind({jax.tree_util.keystr(path)})"
+    else:
+      kind, argument = spec, "state_memory_kind"
+    if kind is None:
+      return _param_memory_kind(param)
+    for device in _devices_of(param)[:1]:
+      check_memory_kind(kind, device, argument=argument)
+    return kind
+
+  return jax.tree_util.tree_map_with_path(resolve, params)
+
+
+# ---------------------------------------------------------------------------
+# State creation
+# ---------------------------------------------------------------------------
+
+
+def zeros_placed(param: Any, dtype: Any, kind: str) -> Any:
+  """Zeros shaped like ``param`` in ``dtype``, placed in memory ``kind``.
+
+  A concrete array keeps its sharding (mesh and spec) with the memory kind
+  changed; a ``jax.ShapeDtypeStruct`` gives a ``ShapeDtypeStruct`` (so that
+  ``init`` can describe the state of a model that is not materialized); under
+  tracing the zeros are moved to the memory space and the compiler places them.
+  """
+  shape = np.shape(param)
+  if isinstance(param, jax.ShapeDtypeStruct):
+    sharding = param.sharding
+    if sharding is not None:
+      sharding = sharding.with_memory_kind(kind)
+    elif kind != DEVICE_KIND:
+      sharding = SingleDeviceSharding(jax.devices()[0], memory_kind=kind)
+    return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+  if _compat.is_tracer(param):
+    return _compat.move(jnp.zeros(shape, dtype), _SPACE_OF_KIND[kind])
+  sharding = getattr(param, "sharding", None)
+  committed = getattr(param, "committed", False)  # NumPy arrays are not committed
+  if kind == DEVICE_KIND and not committed:
+    # Mirror an uncommitted param: a committed state would make the first
+    # jitted step's outputs committed and the second call compile again.
+    return jnp.zeros(shape, dtype)
+  if sharding is None:
+    sharding = SingleDeviceSharding(jax.devices()[0])
+  sharding = sharding.with_memory_kind(kind)
+  if kind == DEVICE_KIND:
+    return jnp.zeros(shape, dtype, device=sharding)
+  # Host memory is filled from a lazily zeroed NumPy buffer, so that state for
+  # a model larger than device memory never passes through the device.
+  return jax.device_put(np.zeros(shape, dtype), sharding)
+
+
+def step_counter_like(state_leaves: Sequence[Any]) -> Any:
+  """An int32 zero for the step count, placed to match the state's arrays.
+
+  If the moments are committed to devices (always so in host memory) the
+  count is committed too, replicated over the same devices: a jitted step then
+  sees the same argument signature on its first call and on every later one.
+  """
+  if any(isinstance(x, jax.ShapeDtypeStruct) for x in state_leaves):
+    return jax.ShapeDtypeStruct((), jnp.int32)
+  for x in state_leaves:
+    if _compat.is_tracer(x) or not getattr(x, "committed", False):
+      continue
+    sharding = x.sharding
+    if isinstance(sharding, jax.sharding.NamedSharding):
+      replicated = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
+    elif len(sharding.device_set) == 1:
+      replicated = SingleDeviceSharding(next(iter(sharding.device_set)))
+    else:
+      continue
+    return jnp.zeros([], jnp.int32, device=replicated.with_memory_kind(DEVICE_KIND))
+  return jnp.zeros([], jnp.int32)
+
+
+# ---------------------------------------------------------------------------
+# Running a step where each leaf belongs
+# ---------------------------------------------------------------------------
+
+
+def run_placed_update(
+    kernel: Callable,
+    grads: Sequence[jax.Array],
+    mus: Sequence[jax.Array],
+    nus: Sequence[jax.Array],
+    params: Sequence[jax.Array | None],
+    decays: Sequence[bool],
+    update_dtypes: Sequence[Any],
+    scalars: Any,
+    *,
+    adamw_mode: bool,
+) -> tuple[list, list, list]:
+  """Runs ``kernel`` once on the device leaves and once, in host compute, on the host leaves.
+
+  Each leaf is computed where its parameter lives (where its gradient lives
+  when ``params`` is not given). Moments keep the memory space they came in;
+  updates are returned in their parameter's space.
+  """
+  n = len(grads)
+  compute_spaces = [
+      _compat.memory_space_of(p if p is not None else g) for g, p in zip(grads, params)
+  ]
+  updates: list = [None] * n
+  new_mus: list = [None] * n
+  new_nus: list = [None] * n
+
+  for space in (DEVICE, HOST):
+    idx = [i for i in range(n) if compute_spaces[i] == space]
+    if not idx:
+      continue
+    pick = lambda xs: [xs[i] for i in idx]
+    # Parameters without decay are not read, so they are not moved either.
+    group_params = [params[i] if decays[i] else None for i in idx]
+    operands = (
+        _compat.move_all(pick(grads), space),
+        _compat.move_all(pick(mus), space),
+        _compat.move_all(pick(nus), space),
+        [None if p is None else _compat.move(p, space) for p in group_params],
+    )
+    group_decays, group_dtypes = pick(decays), pick(update_dtypes)
+
+    def step(g, m, v, p, s, group_decays=group_decays, group_dtypes=group_dtypes):
+      return kernel(g, m, v, p, group_decays, group_dtypes, s, adamw_mode=adamw_mode)
+
+    if space == HOST:
+      host_scalars = type(scalars)(*_compat.move_all(scalars, HOST))
+      step = _compat.host_compute(step, out_memory_spaces=HOST)
+      outs = step(*operands, host_scalars)
+    else:
+      outs = step(*operands, scalars)
+    for j, i in enumerate(idx):
+      updates[i] = outs[0][j]
+      new_mus[i] = _compat.move(outs[1][j], _compat.memory_space_of(mus[i]))
+      new_nus[i] = _compat.move(outs[2][j], _compat.memory_space_of(nus[i]))
+  return updates, new_mus, new_nus
+
+
+def apply_updates(params: Any, updates: Any) -> Any:
+  """``optax.apply_updates`` that is correct whatever memory each param lives in.
+
+  Parameters in device memory are updated as ``optax.apply_updates`` does.
+  Parameters in host memory are updated on the host with XLA host compute
+  (their update is moved to the host first), so no device arithmetic ever
+  reads host memory: on a GPU that would silently run as slow host compute.
+  Each result keeps its parameter's dtype and memory kind.
+
+  Args:
+    params: a tree of parameters (leaves may be ``None``).
+    updates: a tree of updates with the structure of ``params``.
+
+  Returns:
+    The updated parameters.
+  """
+  p_leaves, treedef = jax.tree.flatten(params, is_leaf=lambda x: x is None)
+  try:
+    u_leaves = treedef.flatten_up_to(updates)
+  except (ValueError, TypeError) as e:
+    raise ValueError(
+        "apply_updates: `updates` must have the tree structure of `params`; "
+        f"params: {treedef}, updates: {jax.tree.structure(updates)}."
+    ) from e
+
+  def add(p, u):
+    return jnp.asarray(p + u).astype(jnp.asarray(p).dtype)
+
+  out = [None] * len(p_leaves)
+  host_idx = []
+  for i, (p, u) in enumerate(zip(p_leaves, u_leaves)):
+    if p is None:
+      continue
+    if _compat.memory_space_of(p) == HOST:
+      host_idx.append(i)
+    else:
+      out[i] = add(p, _compat.move(u, DEVICE))
+  if host_idx:
+    host_add = _compat.host_compute(
+        lambda ps, us: [add(p, u) for p, u in zip(ps, us)], out_memory_spaces=HOST
+    )
+    results = host_add(
+        [p_leaves[i] for i in host_idx], [_compat.move(u_leaves[i], HOST) for i in host_idx]
+    )
+    for i, r in zip(host_idx, results):
+      out[i] = r
+  return jax.tree.unflatten(treedef, out)
+
+
+# ---------------------------------------------------------------------------
+# Checking a program for hidden host arithmetic
+# ---------------------------------------------------------------------------
+
+# Primitives that move or relabel data without computing on it.
+_DATA_MOVEMENT = frozenset({"device_put", "copy", "copy_p", "optimization_barrier"})
+
+
+def _sub_jaxprs(eqn) -> list:
+  subs = []
+  for value in eqn.params.values():
+    for v in value if isinstance(value, (tuple, list)) else (value,):
+      if isinstance(v, jax.extend.core.ClosedJaxpr):
+        subs.append(v.jaxpr)
+      elif isinstance(v, jax.extend.core.Jaxpr):
+        subs.append(v)
+  return subs
+
+
+def host_arithmetic_outside_host_compute(jaxpr: Any) -> list[str]:
+  """Lists the operations that compute on a host-memory value outside host compute.
+
+  On a GPU, XLA turns such an operation into host compute silently (with only a
+  log warning), which is slow; on a CPU it just runs, so the mistake would go
+  unnoticed in CPU tests. Run this on ``jax.make_jaxpr(train_step)(...)``: an
+  empty list means every computation on host-resident values is inside
+  ``compute_on('device_host')`` and everything else only moves them.
+
+  Args:
+    jaxpr: a ``ClosedJaxpr`` or ``Jaxpr``.
+
+  Returns:
+    One line per offending equation: the primitive and the host-typed operands.
+  """
+  jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
+  found: list[str] = []
+
+  def visit(jx):
+    for eqn in jx.eqns:
+      name = eqn.primitive.name
+      if name == "compute_on":
+        continue  # explicit host (or device) compute: allowed by design
+      subs = _sub_jaxprs(eqn)
+      if subs:
+        for sub in subs:
+          visit(sub)
+        continue
+      if name in _DATA_MOVEMENT:
+        continue
+      host_inputs = [
+          str(v.aval) for v in eqn.invars
+          if getattr(getattr(v, "aval", None), "memory_space", None) == HOST
+      ]
+      if host_inputs:
+        found.append(f"{name} on {', '.join(host_inputs)}")
+
+  visit(jaxpr)
+  return found

@@ -1,0 +1,415 @@
+"""The Optax-facing AdamW transform: ``hybrid_adamw`` and its building block."""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Any, Callable, NamedTuple, Optional, Union
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from optax._src import numerics
+
+from optax_hybrid import _compat, placement
+from optax_hybrid.kernels import resolve_kernel, step_scalars
+
+ScalarOrSchedule = Union[float, jax.Array, optax.Schedule]
+MaskOrFn = Optional[Union[Any, Callable[[optax.Params], Any]]]
+
+_UNSET = object()
+
+
+class HybridAdamState(NamedTuple):
+  """State of :func:`hybrid_adamw` and :func:`scale_by_hybrid_adam`.
+
+  Attributes:
+    count: int32 scalar, the number of updates taken (on device).
+    mu: first moments, shaped like the params, in ``mu_dtype`` and their
+      state memory kind.
+    nu: second moments, likewise in ``nu_dtype``.
+  """
+
+  count: jax.Array
+  mu: optax.Updates
+  nu: optax.Updates
+
+
+# ---------------------------------------------------------------------------
+# Argument validation
+# ---------------------------------------------------------------------------
+
+
+def _concrete_float(name: str, value: Any) -> float | None:
+  """``value`` as a Python float, or None when it is traced (checked by the caller's caller)."""
+  if _compat.is_tracer(value):
+    return None
+  if isinstance(value, bool):
+    raise TypeError(f"hybrid_adamw: `{name}` must be a number, got the bool {value!r}.")
+  if isinstance(value, numbers.Real):
+    return float(value)
+  if isinstance(value, (np.ndarray, np.generic, jax.Array)):
+    if np.ndim(value) != 0 or not np.issubdtype(np.asarray(value).dtype, np.number):
+      raise TypeError(
+          f"hybrid_adamw: `{name}` must be a scalar number, got an array of "
+          f"shape {np.shape(value)} and dtype {np.asarray(value).dtype}."
+      )
+    return float(np.asarray(value))
+  raise TypeError(
+      f"hybrid_adamw: `{name}` must be a number, got {value!r} of type {type(value).__name__}."
+  )
+
+
+def _check_range(name: str, value: Any, *, low: float, high: float | None = None, high_open: bool = False) -> None:
+  x = _concrete_float(name, value)
+  if x is None:
+    return
+  if not math.isfinite(x):
+    raise ValueError(f"hybrid_adamw: `{name}` must be finite, got {x!r}.")
+  if x < low or (high is not None and (x >= high if high_open else x > high)):
+    upper = "" if high is None else (f", {high})" if high_open else f", {high}]")
+    accepted = f"[{low}{upper}" if high is not None else f">= {low}"
+    raise ValueError(f"hybrid_adamw: `{name}` must be in {accepted}, got {x!r}.")
+
+
+def _check_learning_rate(learning_rate: Any) -> None:
+  if callable(learning_rate):
+    return
+  _check_range("learning_rate", learning_rate, low=0.0)
+
+
+def _is_zero(value: Any) -> bool:
+  """True when ``value`` is a concrete zero, so weight decay can be left out statically."""
+  return not _compat.is_tracer(value) and float(np.asarray(value)) == 0.0
+
+
+def _check_float_leaves(tree: Any, what: str) -> None:
+  for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+    dtype = jnp.result_type(leaf) if not hasattr(leaf, "dtype") else leaf.dtype
+    if not jnp.issubdtype(dtype, jnp.floating):
+      raise TypeError(
+          f"hybrid_adamw: {what} leaf {jax.tree_util.keystr(path) or '<root>'} has "
+          f"dtype {dtype}; only real floating-point leaves can be optimized. Keep "
+          "integer, boolean and complex leaves out of the optimized tree (for "
+          "example with optax.masked or nnx.Optimizer(..., wrt=nnx.Param))."
+      )
+
+
+def _mask_leaves(mask: MaskOrFn, params: Any, treedef: Any) -> list[bool]:
+  """One bool per params leaf: does the leaf take weight decay?"""
+  if mask is None:
+    return [True] * treedef.num_leaves
+  if callable(mask):
+    if params is None:
+      raise ValueError(
+          "hybrid_adamw: a callable `mask` needs the params: call "
+          "tx.update(grads, state, params)."
+      )
+    mask = mask(params)
+  try:
+    # A mask may be a prefix of the params tree: one bool for a whole subtree.
+    leaves = treedef.flatten_up_to(
+        jax.tree.map(
+            lambda m, sub: jax.tree.map(lambda _: m, sub),
+            mask,
+            treedef.unflatten([0] * treedef.num_leaves),
+        )
+    )
+  except (ValueError, TypeError) as e:
+    raise ValueError(
+        "hybrid_adamw: `mask` must have the tree structure of the params (or "
+        f"be a prefix of it) with bool leaves; params: {treedef}, mask: "
+        f"{jax.tree.structure(mask)}."
+    ) from e
+  out = []
+  for leaf in leaves:
+    if _compat.is_tracer(leaf):
+      raise TypeError(
+          "hybrid_adamw: `mask` leaves must be concrete bools, not traced "
+          "values; compute the mask from the params' structure, not their values."
+      )
+    if np.ndim(leaf) != 0 or np.asarray(leaf).dtype != np.bool_:
+      raise TypeError(
+          f"hybrid_adamw: `mask` leaves must be bools, got {leaf!r}."
+      )
+    out.append(bool(leaf))
+  return out
+
+
+# ---------------------------------------------------------------------------
+# The transform
+# ---------------------------------------------------------------------------
+
+
+def _hybrid_adam(
+    learning_rate: ScalarOrSchedule,
+    b1: Any,
+    b2: Any,
+    eps: Any,
+    weight_decay: Any,
+    *,
+    bias_correction: bool,
+    adamw_mode: bool,
+    mask: MaskOrFn,
+    mu_dtype: Any,
+    nu_dtype: Any,
+    state_memory_kind: placement.MemoryKindSpec,
+    kernel: str,
+) -> optax.GradientTransformationExtraArgs:
+  _check_range("b1", b1, low=0.0, high=1.0, high_open=True)
+  _check_range("b2", b2, low=0.0, high=1.0, high_open=True)
+  _check_range("eps", eps, low=0.0)
+  _check_range("weight_decay", weight_decay, low=0.0)
+  for name, flag in (("bias_correction", bias_correction), ("adamw_mode", adamw_mode)):
+    if not isinstance(flag, (bool, np.bool_)):
+      raise TypeError(f"hybrid_adamw: `{name}` must be a Python bool, got {flag!r}.")
+  mu_dtype = None if mu_dtype is None else jnp.dtype(mu_dtype)
+  nu_dtype = None if nu_dtype is None else jnp.dtype(nu_dtype)
+  for name, dtype in (("mu_dtype", mu_dtype), ("nu_dtype", nu_dtype)):
+    if dtype is not None and not jnp.issubdtype(dtype, jnp.floating):
+      raise ValueError(f"hybrid_adamw: `{name}` must be a floating dtype, got {dtype}.")
+  placement.check_memory_kind_spec(state_memory_kind)
+  run_kernel = resolve_kernel(kernel)
+  decay_is_static_zero = _is_zero(weight_decay)
+
+  def init_fn(params):
+    _check_float_leaves(params, "params")
+    kinds = placement.resolve_state_kinds(params, state_memory_kind)
+
+    def moments(dtype):
+      return jax.tree.map(
+          lambda p, kind: placement.zeros_placed(p, dtype or p.dtype, kind), params, kinds
+      )
+
+    mu, nu = moments(mu_dtype), moments(nu_dtype)
+    count = placement.step_counter_like(jax.tree.leaves(mu) + jax.tree.leaves(nu))
+    return HybridAdamState(count=count, mu=mu, nu=nu)
+
+  def update_fn(updates, state, params=None, **extra_args):
+    del extra_args
+    if not isinstance(state, HybridAdamState):
+      raise TypeError(
+          "hybrid_adamw: `state` must be the HybridAdamState made by this "
+          f"optimizer's init, got {type(state).__name__}."
+      )
+    grad_leaves, treedef = jax.tree.flatten(updates)
+    try:
+      mu_leaves = treedef.flatten_up_to(state.mu)
+      nu_leaves = treedef.flatten_up_to(state.nu)
+    except (ValueError, TypeError) as e:
+      raise ValueError(
+          "hybrid_adamw: the gradients' tree structure does not match the "
+          f"optimizer state's; gradients: {treedef}, state.mu: "
+          f"{jax.tree.structure(state.mu)}. Pass gradients for the same params "
+          "tree the state was initialized with."
+      ) from e
+    for g, m in zip(grad_leaves, mu_leaves):
+      if np.shape(g) != np.shape(m):
+        raise ValueError(
+            f"hybrid_adamw: a gradient of shape {np.shape(g)} does not match its "
+            f"state of shape {np.shape(m)}."
+        )
+    _check_float_leaves(updates, "gradient")
+
+    decays = [False] * len(grad_leaves)
+    if not decay_is_static_zero:
+      decays = _mask_leaves(mask, params, treedef)
+    param_leaves: list = [None] * len(grad_leaves)
+    if params is not None:
+      try:
+        param_leaves = treedef.flatten_up_to(params)
+      except (ValueError, TypeError) as e:
+        raise ValueError(
+            "hybrid_adamw: `params` must have the tree structure of the "
+            f"gradients; gradients: {treedef}, params: {jax.tree.structure(params)}."
+        ) from e
+    elif any(decays):
+      raise ValueError(
+          "hybrid_adamw: weight_decay is non-zero, so `params` is required: call "
+          "tx.update(grads, state, params)."
+      )
+
+    count = state.count
+    lr = learning_rate(count) if callable(learning_rate) else learning_rate
+    scalars = step_scalars(count, lr, b1, b2, eps, weight_decay, bias_correction)
+    update_dtypes = [
+        jnp.result_type(g.dtype, m.dtype, v.dtype)
+        for g, m, v in zip(grad_leaves, mu_leaves, nu_leaves)
+    ]
+    new_updates, new_mu, new_nu = placement.run_placed_update(
+        run_kernel,
+        grad_leaves,
+        mu_leaves,
+        nu_leaves,
+        param_leaves,
+        decays,
+        update_dtypes,
+        scalars,
+        adamw_mode=adamw_mode,
+    )
+    new_state = HybridAdamState(
+        count=numerics.safe_increment(count),
+        mu=jax.tree.unflatten(treedef, new_mu),
+        nu=jax.tree.unflatten(treedef, new_nu),
+    )
+    return jax.tree.unflatten(treedef, new_updates), new_state
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def scale_by_hybrid_adam(
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    weight_decay: float = 0.0,
+    *,
+    bias_correction: bool = True,
+    adamw_mode: bool = True,
+    mask: MaskOrFn = None,
+    mu_dtype: Any = None,
+    nu_dtype: Any = None,
+    state_memory_kind: placement.MemoryKindSpec = None,
+    kernel: str = "auto",
+) -> optax.GradientTransformationExtraArgs:
+  r"""The Adam direction, without the learning rate, for users who compose their own chain.
+
+  Returns :math:`\hat m / (\sqrt{\hat v} + \epsilon)` plus, in AdamW mode,
+  :math:`\lambda p` on masked leaves; so that
+  ``optax.chain(scale_by_hybrid_adam(...), optax.scale_by_learning_rate(lr))``
+  equals ``hybrid_adamw(lr, ...)``. Arguments are those of
+  :func:`hybrid_adamw`.
+
+  Example:
+    >>> import optax, optax_hybrid
+    >>> tx = optax.chain(
+    ...     optax.clip_by_global_norm(1.0),
+    ...     optax_hybrid.scale_by_hybrid_adam(b2=0.95),
+    ...     optax.scale_by_learning_rate(3e-4))
+  """
+  return _hybrid_adam(
+      -1.0,
+      b1,
+      b2,
+      eps,
+      weight_decay,
+      bias_correction=bias_correction,
+      adamw_mode=adamw_mode,
+      mask=mask,
+      mu_dtype=mu_dtype,
+      nu_dtype=nu_dtype,
+      state_memory_kind=state_memory_kind,
+      kernel=kernel,
+  )
+
+
+def hybrid_adamw(
+    learning_rate: ScalarOrSchedule,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    weight_decay: float = 0.0,
+    *,
+    bias_correction: bool = True,
+    adamw_mode: bool = True,
+    mask: MaskOrFn = None,
+    mu_dtype: Any = None,
+    nu_dtype: Any = None,
+    state_memory_kind: placement.MemoryKindSpec = None,
+    kernel: str = "auto",
+    weight_decay_mask: MaskOrFn = _UNSET,
+) -> optax.GradientTransformationExtraArgs:
+  r"""AdamW as ColossalAI's HybridAdam and ``torch.optim.AdamW`` compute it, with placeable state.
+
+  With :math:`t` the 1-based step, :math:`\eta_t` the learning rate and
+  :math:`\lambda` the weight decay, each leaf's update is (float32 math
+  whatever the parameter dtype):
+
+  .. math::
+
+    g_t &\leftarrow g_t + \lambda p_{t-1} \quad\text{(only if adamw\_mode=False)} \\
+    m_t &= \beta_1 m_{t-1} + (1 - \beta_1) g_t, \qquad
+    v_t = \beta_2 v_{t-1} + (1 - \beta_2) g_t^2 \\
+    u_t &= -\eta_t \left( \frac{m_t / (1 - \beta_1^t)}{\sqrt{v_t / (1 - \beta_2^t)} + \epsilon}
+          + \lambda p_{t-1} \,\text{(only if adamw\_mode)} \right)
+
+  ``adamw_mode=True`` is ``torch.optim.AdamW`` (decay decoupled and scaled by
+  the current learning rate); ``adamw_mode=False`` is
+  ``torch.optim.Adam(weight_decay=...)`` (L2 decay added to the gradient);
+  ``bias_correction=False`` drops both :math:`1 - \beta^t` factors.
+
+  The moments can live in host memory (``state_memory_kind="pinned_host"``):
+  inside ``update`` they are moved to the device, updated by the fused step
+  and moved back, so a jitted train step keeps them in host memory between
+  steps. Parameters that live in host memory are updated on the host (XLA host
+  compute); use :func:`optax_hybrid.apply_updates` to apply the updates.
+
+  Args:
+    learning_rate: a float ``>= 0`` or an Optax schedule of the step count.
+    b1: decay of the first moment, in ``[0, 1)``.
+    b2: decay of the second moment, in ``[0, 1)``.
+    eps: added to the denominator, outside the square root; ``>= 0``.
+    weight_decay: decay coefficient :math:`\lambda`; ``>= 0``.
+    bias_correction: divide the moments by :math:`1 - \beta^t`.
+    adamw_mode: decoupled decay (True) or L2 decay through the gradient (False).
+    mask: which leaves take weight decay: a tree of bools with the structure
+      of the params (or a prefix of it), or a callable ``params -> tree``.
+      ``None``: every leaf.
+    mu_dtype: dtype of the first moments; ``None``: the param's dtype.
+    nu_dtype: dtype of the second moments; ``None``: the param's dtype.
+    state_memory_kind: where the moments live: ``None`` (beside each param),
+      ``"device"``, ``"pinned_host"``, or a callable ``(path, param) -> kind``
+      choosing per leaf (returning ``None`` for "beside the param").
+    kernel: ``"auto"`` or ``"xla"`` (the fused XLA step); ``"pallas"`` is not
+      available yet.
+    weight_decay_mask: alias of ``mask``, as ``optax.adamw`` names it.
+
+  All numeric hyperparameters may be traced, so
+  ``optax.inject_hyperparams(hybrid_adamw)(...)`` works and changing an
+  injected value does not recompile (pass ``hyperparam_dtype=jnp.float32``
+  there for low-precision params: Optax otherwise casts the injected betas to
+  the params' dtype).
+
+  Returns:
+    An ``optax.GradientTransformationExtraArgs`` whose state is a
+    :class:`HybridAdamState`.
+
+  Raises:
+    ValueError: for a hyperparameter out of range, an unknown memory kind or
+      kernel, or a memory kind the backend does not have.
+    TypeError: for arguments of the wrong type.
+    NotImplementedError: for ``kernel="pallas"``.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, optax_hybrid
+    >>> params = {"w": jnp.ones((3,))}
+    >>> tx = optax_hybrid.hybrid_adamw(
+    ...     optax_hybrid.warmup_cosine_schedule(1e-3, total_steps=1000, warmup_steps=30),
+    ...     weight_decay=0.1, state_memory_kind="pinned_host")
+    >>> state = tx.init(params)
+    >>> state.mu["w"].sharding.memory_kind
+    'pinned_host'
+    >>> updates, state = tx.update({"w": jnp.ones((3,))}, state, params)
+    >>> params = optax_hybrid.apply_updates(params, updates)
+  """
+  if weight_decay_mask is not _UNSET:
+    if mask is not None:
+      raise ValueError(
+          "hybrid_adamw: pass either `mask` or its alias `weight_decay_mask`, not both."
+      )
+    mask = weight_decay_mask
+  _check_learning_rate(learning_rate)
+  return _hybrid_adam(
+      learning_rate,
+      b1,
+      b2,
+      eps,
+      weight_decay,
+      bias_correction=bias_correction,
+      adamw_mode=adamw_mode,
+      mask=mask,
+      mu_dtype=mu_dtype,
+      nu_dtype=nu_dtype,
+      state_memory_kind=state_memory_kind,
+      kernel=kernel,
+  )

@@ -1,0 +1,98 @@
+"""Tests for optax_hybrid.schedules against published values and a float64 formula."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import optax_hybrid
+from numpy_reference import colossal_lr
+
+
+# Worked values for base 1.0, W 10, total 100, eta_min 0.1 (reference.md,
+# section 1: ColossalAI's values, with the floor instead of its rise at k=150).
+PUBLISHED = [(0, 0.1), (5, 0.6), (10, 1.0), (55, 0.55), (100, 0.1), (150, 0.1)]
+
+
+@pytest.mark.parametrize("k,expected", PUBLISHED)
+def test_published_values(k, expected):
+  sched = optax_hybrid.warmup_cosine_schedule(1.0, total_steps=100, warmup_steps=10, eta_min=0.1)
+  np.testing.assert_allclose(float(sched(k)), expected, rtol=1e-6)
+  np.testing.assert_allclose(float(sched(jnp.int32(k))), expected, rtol=1e-6)
+
+
+@pytest.mark.parametrize("peak,total,warmup,eta_min", [
+    (3e-4, 1000, 30, 3e-5), (1.0, 7, 0, 0.0), (0.5, 50, 49, 0.5), (2.0, 11, 3, 0.25),
+])
+def test_matches_float64_formula_everywhere(peak, total, warmup, eta_min):
+  sched = optax_hybrid.warmup_cosine_schedule(peak, total, warmup, eta_min)
+  ks = np.arange(0, total + 20)
+  expected = np.array([colossal_lr(k, peak, total, warmup, eta_min) for k in ks])
+  traced = jax.jit(jax.vmap(sched))(jnp.asarray(ks, jnp.int32))
+  eager = np.array([float(sched(int(k))) for k in ks])
+  np.testing.assert_allclose(np.asarray(traced), expected, rtol=2e-6, atol=1e-7 * peak)
+  np.testing.assert_allclose(eager, expected, rtol=1e-6, atol=1e-8 * peak)
+
+
+def test_first_update_is_not_at_zero_and_floor_holds():
+  sched = optax_hybrid.warmup_cosine_schedule(1e-3, total_steps=1000, warmup_steps=100, eta_min=1e-4)
+  assert float(sched(0)) == pytest.approx(1e-5)
+  for k in (1000, 1500, 2000, 10**6):
+    assert float(sched(k)) == pytest.approx(1e-4)
+    assert float(jax.jit(sched)(jnp.int32(k))) == pytest.approx(1e-4)
+
+
+def test_python_int_counts_past_int32():
+  sched = optax_hybrid.warmup_cosine_schedule(1.0, total_steps=2**33, warmup_steps=2**31, eta_min=0.0)
+  k = 2**31 + 2**31 // 2  # a third of the way into the cosine, past int32
+  expected = colossal_lr(k, 1.0, 2**33, 2**31, 0.0)
+  np.testing.assert_allclose(float(sched(k)), expected, rtol=1e-6)
+  assert float(sched(2**40)) == 0.0
+  np.testing.assert_allclose(float(sched(2**31 - 1)), (2**31) / 2**31, rtol=1e-6)
+
+
+def test_first_update_of_hybrid_adamw_uses_peak_over_warmup():
+  sched = optax_hybrid.warmup_cosine_schedule(0.5, total_steps=20, warmup_steps=5)
+  tx = optax_hybrid.hybrid_adamw(sched, bias_correction=False, eps=0.0)
+  params = {"w": jnp.zeros(3)}
+  state = tx.init(params)
+  # Without bias correction and eps, the first step is -lr * g / |g| = -lr * sign(g).
+  updates, _ = tx.update({"w": jnp.array([2.0, -1.0, 4.0])}, state, params)
+  np.testing.assert_allclose(updates["w"], -0.1 * (1 - 0.9) / np.sqrt(1 - 0.999) * np.array([1, -1, 1]), rtol=1e-5)
+
+
+def test_works_with_optax_inject_hyperparams():
+  sched = optax_hybrid.warmup_cosine_schedule(1.0, total_steps=10, warmup_steps=2, eta_min=0.1)
+  tx = optax.inject_hyperparams(optax.sgd)(learning_rate=sched)
+  params = jnp.zeros(())
+  state = tx.init(params)
+  lrs = []
+  for _ in range(12):
+    _, state = tx.update(jnp.ones(()), state)
+    lrs.append(float(state.hyperparams["learning_rate"]))  # the lr this update used
+  np.testing.assert_allclose(lrs, [colossal_lr(k, 1.0, 10, 2, 0.1) for k in range(12)], rtol=1e-6)
+
+
+@pytest.mark.parametrize("kwargs,name", [
+    (dict(peak_value=1.0, total_steps=10, warmup_steps=10), "total_steps"),
+    (dict(peak_value=1.0, total_steps=10, warmup_steps=20), "total_steps"),
+    (dict(peak_value=1.0, total_steps=10, warmup_steps=-1), "warmup_steps"),
+    (dict(peak_value=-1.0, total_steps=10), "peak_value"),
+    (dict(peak_value=1.0, total_steps=10, eta_min=-0.1), "eta_min"),
+    (dict(peak_value=1.0, total_steps=10, eta_min=2.0), "eta_min"),
+    (dict(peak_value=float("nan"), total_steps=10), "peak_value"),
+])
+def test_value_errors_name_the_argument(kwargs, name):
+  with pytest.raises(ValueError, match=name):
+    optax_hybrid.warmup_cosine_schedule(**kwargs)
+
+
+@pytest.mark.parametrize("kwargs,name", [
+    (dict(peak_value=1.0, total_steps=10.5), "total_steps"),
+    (dict(peak_value="1", total_steps=10), "peak_value"),
+    (dict(peak_value=1.0, total_steps=10, warmup_steps=True), "warmup_steps"),
+])
+def test_type_errors_name_the_argument(kwargs, name):
+  with pytest.raises(TypeError, match=name):
+    optax_hybrid.warmup_cosine_schedule(**kwargs)

@@ -1,0 +1,313 @@
+"""Tests for optax_hybrid.transform: the update rule, Optax composition and errors."""
+
+import itertools
+
+import chex
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import optax
+import pytest
+
+import optax_hybrid
+from numpy_reference import adamw_steps, colossal_lr
+
+SHAPES = {"w": (5, 7), "b": (7,), "s": ()}
+STEPS = 25
+PEAK, TOTAL, WARMUP, ETA_MIN = 1e-2, 20, 4, 1e-3  # the floor is reached inside the run
+
+
+def make_params(seed=0, dtype=jnp.float32):
+  rng = np.random.default_rng(seed)
+  return {k: jnp.asarray(rng.normal(size=s), dtype) for k, s in SHAPES.items()}
+
+
+def make_grads(steps=STEPS, seed=1):
+  rng = np.random.default_rng(seed)
+  # Mixed scales, so per-weight normalization matters.
+  return [{k: (rng.normal(size=s) * 10.0 ** rng.integers(-3, 2)).astype(np.float32)
+           for k, s in SHAPES.items()} for _ in range(steps)]
+
+
+def run(tx, params, grads_list, jit=True):
+  def step(p, s, g):
+    u, s = tx.update(g, s, p)
+    return optax.apply_updates(p, u), s, u
+  step = jax.jit(step) if jit else step
+  state = tx.init(params)
+  history = []
+  for g in grads_list:
+    params, state, _ = step(params, state, g)
+    history.append(params)
+  return history, state
+
+
+def schedule():
+  return optax_hybrid.warmup_cosine_schedule(PEAK, TOTAL, WARMUP, ETA_MIN)
+
+
+FLAGS = list(itertools.product([True, False], [True, False], [0.0, 0.1]))
+
+
+@pytest.mark.parametrize("bias_correction,adamw_mode,weight_decay", FLAGS)
+def test_matches_float64_reference(bias_correction, adamw_mode, weight_decay):
+  params, grads = make_params(), make_grads()
+  mask = {"w": True, "b": False, "s": True}
+  kwargs = dict(b1=0.9, b2=0.95, eps=1e-6, weight_decay=weight_decay,
+                bias_correction=bias_correction, adamw_mode=adamw_mode)
+  tx = optax_hybrid.hybrid_adamw(schedule(), mask=mask, **kwargs)
+  history, state = run(tx, params, grads)
+  lrs = [colossal_lr(k, PEAK, TOTAL, WARMUP, ETA_MIN) for k in range(STEPS)]
+  ref_hist, ref_m, ref_v = adamw_steps(params, grads, lrs, decay_mask=mask, **kwargs)
+  for ours, ref in zip(history, ref_hist):
+    for k in SHAPES:
+      np.testing.assert_allclose(np.asarray(ours[k]), ref[k], rtol=2e-5, atol=2e-6)
+  for k in SHAPES:
+    np.testing.assert_allclose(np.asarray(state.mu[k]), ref_m[k], rtol=1e-5, atol=1e-9)
+    np.testing.assert_allclose(np.asarray(state.nu[k]), ref_v[k], rtol=1e-5, atol=1e-12)
+  assert int(state.count) == STEPS
+
+
+def test_decay_mask_is_honoured():
+  params = make_params()
+  zero_grads = [{k: np.zeros(s, np.float32) for k, s in SHAPES.items()}]
+  tx = optax_hybrid.hybrid_adamw(0.1, weight_decay=0.5, weight_decay_mask={"w": True, "b": False, "s": True})
+  (new,), _ = run(tx, params, zero_grads)
+  np.testing.assert_allclose(new["w"], np.asarray(params["w"]) * (1 - 0.05), rtol=1e-6)
+  np.testing.assert_array_equal(new["b"], params["b"])
+  # A callable mask and a prefix mask give the same result.
+  tx_fn = optax_hybrid.hybrid_adamw(0.1, weight_decay=0.5, mask=lambda p: {"w": True, "b": False, "s": True})
+  (new_fn,), _ = run(tx_fn, params, zero_grads)
+  chex.assert_trees_all_equal(new, new_fn)
+
+
+@pytest.mark.parametrize("weight_decay,mask", [(0.0, None), (0.05, None), (0.05, {"w": True, "b": False, "s": False})])
+def test_parity_with_optax_adamw(weight_decay, mask):
+  params, grads = make_params(), make_grads()
+  kwargs = dict(b1=0.8, b2=0.99, eps=1e-7, weight_decay=weight_decay, mask=mask)
+  ours, s_ours = run(optax_hybrid.hybrid_adamw(schedule(), **kwargs), params, grads)
+  theirs, s_theirs = run(optax.adamw(schedule(), **kwargs), params, grads)
+  for a, b in zip(ours, theirs):
+    chex.assert_trees_all_close(a, b, rtol=1e-5, atol=1e-7)
+  # Same rule, different order of float32 operations: a few ulps after 25 steps.
+  chex.assert_trees_all_close(s_ours.mu, s_theirs[0].mu, rtol=1e-5, atol=1e-9)
+  chex.assert_trees_all_close(s_ours.nu, s_theirs[0].nu, rtol=1e-5, atol=1e-12)
+
+
+class VariantsTest(chex.TestCase):
+
+  @chex.variants(with_jit=True, without_jit=True)
+  def test_one_step_against_reference(self):
+    params, (g,) = make_params(), make_grads(1)
+    tx = optax_hybrid.hybrid_adamw(0.05, weight_decay=0.2)
+    update = self.variant(tx.update)
+    updates, state = update(g, tx.init(params), params)
+    (ref,), _, _ = adamw_steps(params, [g], [0.05], weight_decay=0.2)
+    for k in SHAPES:
+      np.testing.assert_allclose(np.asarray(params[k]) + np.asarray(updates[k]), ref[k], rtol=1e-5, atol=1e-7)
+    chex.assert_trees_all_equal_shapes_and_dtypes(state, tx.init(params))
+
+
+def test_chain_with_clipping_matches_optax():
+  params, grads = make_params(), make_grads(10)
+  ours = optax.chain(optax.clip_by_global_norm(0.5), optax_hybrid.hybrid_adamw(1e-2, weight_decay=0.1))
+  theirs = optax.chain(optax.clip_by_global_norm(0.5), optax.adamw(1e-2, weight_decay=0.1))
+  for a, b in zip(run(ours, params, grads)[0], run(theirs, params, grads)[0]):
+    chex.assert_trees_all_close(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_scale_by_hybrid_adam_composes_to_hybrid_adamw():
+  params, grads = make_params(), make_grads(8)
+  for adamw_mode in (True, False):
+    kwargs = dict(b2=0.98, weight_decay=0.1, adamw_mode=adamw_mode)
+    chained = optax.chain(optax_hybrid.scale_by_hybrid_adam(**kwargs), optax.scale_by_learning_rate(schedule()))
+    whole = optax_hybrid.hybrid_adamw(schedule(), **kwargs)
+    for a, b in zip(run(chained, params, grads)[0], run(whole, params, grads)[0]):
+      chex.assert_trees_all_close(a, b, rtol=1e-6, atol=1e-8)
+
+
+def test_inject_hyperparams_changes_without_recompiling():
+  params, grads = make_params(), make_grads(6)
+  ours = optax.inject_hyperparams(optax_hybrid.hybrid_adamw)(learning_rate=1e-2, b1=0.9, b2=0.99, weight_decay=0.1)
+  theirs = optax.inject_hyperparams(optax.adamw)(learning_rate=1e-2, b1=0.9, b2=0.99, weight_decay=0.1)
+
+  def step(tx, p, s, g):
+    u, s = tx.update(g, s, p)
+    return optax.apply_updates(p, u), s
+
+  step_ours = jax.jit(lambda p, s, g: step(ours, p, s, g))
+  p_ours, s_ours = params, ours.init(params)
+  p_ref, s_ref = params, theirs.init(params)
+  for i, g in enumerate(grads):
+    for s in (s_ours, s_ref):
+      s.hyperparams["learning_rate"] = jnp.asarray(1e-2 / (i + 1), jnp.float32)
+      s.hyperparams["b2"] = jnp.asarray(0.99 - 0.01 * i, jnp.float32)
+      s.hyperparams["weight_decay"] = jnp.asarray(0.1 * i, jnp.float32)
+    p_ours, s_ours = step_ours(p_ours, s_ours, g)
+    p_ref, s_ref = step(theirs, p_ref, s_ref, g)
+  assert step_ours._cache_size() == 1
+  chex.assert_trees_all_close(p_ours, p_ref, rtol=1e-5, atol=1e-7)
+
+
+def test_multisteps_matches_optax():
+  params, grads = make_params(), make_grads(9)
+  ours = optax.MultiSteps(optax_hybrid.hybrid_adamw(1e-2, weight_decay=0.1), every_k_schedule=3)
+  theirs = optax.MultiSteps(optax.adamw(1e-2, weight_decay=0.1), every_k_schedule=3)
+  h_ours, s_ours = run(ours, params, grads)
+  h_theirs, _ = run(theirs, params, grads)
+  for a, b in zip(h_ours, h_theirs):
+    chex.assert_trees_all_close(a, b, rtol=1e-5, atol=1e-7)
+  assert int(s_ours.inner_opt_state.count) == 3
+
+
+def test_second_call_does_not_recompile():
+  params, grads = make_params(), make_grads(4)
+  for memory_kind in ("device", "pinned_host"):
+    tx = optax_hybrid.hybrid_adamw(schedule(), weight_decay=0.1, state_memory_kind=memory_kind)
+
+    def step(p, s, g):
+      u, s = tx.update(g, s, p)
+      return optax_hybrid.apply_updates(p, u), s
+
+    compiled = jax.jit(step, donate_argnums=(0, 1))
+    # Host state is committed to its device, so the step's outputs are too;
+    # params committed from the start give the second call the same signature.
+    p = jax.device_put(params, jax.devices()[0]) if memory_kind == "pinned_host" else jax.tree.map(jnp.copy, params)
+    state = tx.init(p)
+    for g in grads:
+      p, state = compiled(p, state, g)
+    assert compiled._cache_size() == 1
+    assert int(state.count) == len(grads)
+
+
+def test_bf16_params_with_fp32_moments():
+  params = make_params(dtype=jnp.bfloat16)
+  grads = make_grads(10)
+  grads_bf16 = [{k: jnp.asarray(v, jnp.bfloat16) for k, v in g.items()} for g in grads]
+  tx = optax_hybrid.hybrid_adamw(1e-2, weight_decay=0.1, mu_dtype=jnp.float32, nu_dtype=jnp.float32)
+  history, state = run(tx, params, grads_bf16)
+  for leaf in jax.tree.leaves(state.mu) + jax.tree.leaves(state.nu):
+    assert leaf.dtype == jnp.float32
+  for leaf in jax.tree.leaves(history[-1]):
+    assert leaf.dtype == jnp.bfloat16
+  # Float64 model of the same storage: bf16 params, fp32-or-better moments.
+  p = {k: np.asarray(v, np.float64) for k, v in params.items()}
+  m = {k: np.zeros_like(v) for k, v in p.items()}
+  v = {k: np.zeros_like(x) for k, x in p.items()}
+  for t, g in enumerate(grads_bf16, start=1):
+    for k in p:
+      gk = np.asarray(g[k], np.float64)
+      m[k] = 0.9 * m[k] + 0.1 * gk
+      v[k] = 0.999 * v[k] + 0.001 * gk * gk
+      u = -1e-2 * 0.1 * p[k] - 1e-2 / (1 - 0.9**t) * m[k] / (np.sqrt(v[k]) / np.sqrt(1 - 0.999**t) + 1e-8)
+      p[k] = np.asarray((p[k] + u).astype(ml_dtypes.bfloat16), np.float64)
+    for k in p:
+      ours = np.asarray(history[t - 1][k], np.float64)
+      # At most one bf16 rounding step apart (fp32 vs float64 update, same rounding).
+      np.testing.assert_allclose(ours, p[k], rtol=2 ** -7, atol=1e-6)
+  np.testing.assert_allclose(np.asarray(state.mu["w"]), m["w"], rtol=1e-5, atol=1e-9)
+
+
+def test_default_moment_dtype_follows_params_and_updates_promote():
+  params = make_params(dtype=jnp.bfloat16)
+  grads = {k: jnp.ones(s, jnp.bfloat16) for k, s in SHAPES.items()}
+  tx = optax_hybrid.hybrid_adamw(1e-3)
+  state = tx.init(params)
+  assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(state.mu))
+  updates, _ = tx.update(grads, state, params)
+  assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(updates))
+  tx32 = optax_hybrid.hybrid_adamw(1e-3, mu_dtype=jnp.float32, nu_dtype=jnp.float32)
+  updates32, _ = tx32.update(grads, tx32.init(params), params)
+  assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(updates32))
+
+
+def test_state_is_a_namedtuple_with_tree_get_and_abstract_init():
+  params = make_params()
+  tx = optax_hybrid.hybrid_adamw(1e-3, mu_dtype=jnp.bfloat16)
+  state = tx.init(params)
+  assert isinstance(state, optax_hybrid.HybridAdamState)
+  assert state.count.dtype == jnp.int32 and state.count.shape == ()
+  chained_state = optax.chain(optax.clip(1.0), tx).init(params)
+  mu = optax.tree_utils.tree_get(chained_state, "mu")
+  chex.assert_trees_all_equal_shapes(mu, params)
+  assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(mu))
+  abstract = jax.eval_shape(tx.init, params)
+  chex.assert_trees_all_equal_shapes_and_dtypes(abstract, state)
+  shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
+  chex.assert_trees_all_equal_shapes_and_dtypes(tx.init(shapes), state)
+
+
+def test_update_without_params_when_no_decay():
+  params, (g,) = make_params(), make_grads(1)
+  tx = optax_hybrid.hybrid_adamw(1e-2)
+  with_p, _ = tx.update(g, tx.init(params), params)
+  without_p, _ = tx.update(g, tx.init(params))
+  chex.assert_trees_all_equal(with_p, without_p)
+
+
+def test_zero_size_and_scalar_leaves():
+  params = {"empty": jnp.zeros((0, 3)), "scalar": jnp.asarray(2.0)}
+  grads = {"empty": jnp.zeros((0, 3)), "scalar": jnp.asarray(0.5)}
+  tx = optax_hybrid.hybrid_adamw(0.1, weight_decay=0.1)
+  updates, state = jax.jit(tx.update)(grads, tx.init(params), params)
+  assert updates["empty"].shape == (0, 3)
+  (ref,), _, _ = adamw_steps({"scalar": 2.0}, [{"scalar": 0.5}], [0.1], weight_decay=0.1)
+  np.testing.assert_allclose(2.0 + float(updates["scalar"]), ref["scalar"], rtol=1e-6)
+
+
+# --- bad input -------------------------------------------------------------
+
+@pytest.mark.parametrize("kwargs,exc,name", [
+    (dict(b1=1.0), ValueError, "b1"),
+    (dict(b1=-0.1), ValueError, "b1"),
+    (dict(b2=1.5), ValueError, "b2"),
+    (dict(eps=-1e-8), ValueError, "eps"),
+    (dict(eps=float("inf")), ValueError, "eps"),
+    (dict(weight_decay=-0.1), ValueError, "weight_decay"),
+    (dict(weight_decay=float("nan")), ValueError, "weight_decay"),
+    (dict(learning_rate=-1e-3), ValueError, "learning_rate"),
+    (dict(learning_rate=float("nan")), ValueError, "learning_rate"),
+    (dict(learning_rate="fast"), TypeError, "learning_rate"),
+    (dict(b1=jnp.ones(3)), TypeError, "b1"),
+    (dict(kernel="cuda"), ValueError, "kernel"),
+    (dict(kernel="pallas"), NotImplementedError, "pallas"),
+    (dict(state_memory_kind="hbm"), ValueError, "state_memory_kind"),
+    (dict(state_memory_kind="unpinned_host"), ValueError, "state_memory_kind"),
+    (dict(mu_dtype=jnp.int8), ValueError, "mu_dtype"),
+    (dict(bias_correction=1), TypeError, "bias_correction"),
+    (dict(mask={"w": True}, weight_decay_mask={"w": True}), ValueError, "weight_decay_mask"),
+])
+def test_bad_arguments_raise_naming_the_argument(kwargs, exc, name):
+  kwargs = {"learning_rate": 1e-3, **kwargs}
+  with pytest.raises(exc, match=name):
+    optax_hybrid.hybrid_adamw(**kwargs)
+
+
+def test_bad_updates_raise_and_leave_state_usable():
+  params, (g,) = make_params(), make_grads(1)
+  tx = optax_hybrid.hybrid_adamw(1e-2, weight_decay=0.1)
+  state = tx.init(params)
+  with pytest.raises(ValueError, match="tree structure"):
+    tx.update({"w": g["w"]}, state, params)
+  with pytest.raises(ValueError, match="shape"):
+    tx.update({**g, "w": np.zeros((7, 5), np.float32)}, state, params)
+  with pytest.raises(ValueError, match="params"):
+    tx.update(g, state)
+  with pytest.raises(TypeError, match="HybridAdamState"):
+    tx.update(g, optax.adamw(1e-2).init(params), params)
+  with pytest.raises(TypeError, match="dtype int32"):
+    tx.update({**g, "s": jnp.asarray(1, jnp.int32)}, state, params)
+  bad_mask = optax_hybrid.hybrid_adamw(1e-2, weight_decay=0.1, mask={"w": True, "x": False})
+  with pytest.raises(ValueError, match="mask"):
+    bad_mask.update(g, bad_mask.init(params), params)
+  # The state that saw the failed calls is intact and still steps correctly.
+  updates, new_state = tx.update(g, state, params)
+  (ref,), _, _ = adamw_steps(params, [g], [1e-2], weight_decay=0.1)
+  np.testing.assert_allclose(np.asarray(params["w"]) + np.asarray(updates["w"]), ref["w"], rtol=1e-5)
+  assert int(state.count) == 0 and int(new_state.count) == 1
+
+
+def test_integer_params_are_rejected_at_init():
+  with pytest.raises(TypeError, match=r"\['step'\].*int32"):
+    optax_hybrid.hybrid_adamw(1e-3).init({"w": jnp.ones(2), "step": jnp.zeros((), jnp.int32)})
