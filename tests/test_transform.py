@@ -311,3 +311,22 @@ def test_bad_updates_raise_and_leave_state_usable():
 def test_integer_params_are_rejected_at_init():
   with pytest.raises(TypeError, match=r"\['step'\].*int32"):
     optax_hybrid.hybrid_adamw(1e-3).init({"w": jnp.ones(2), "step": jnp.zeros((), jnp.int32)})
+
+
+@pytest.mark.parametrize("adamw_mode", [True, False])
+def test_parity_with_torch_when_installed(adamw_mode):
+  torch = pytest.importorskip("torch")
+  params, grads = make_params(), make_grads(15)
+  lrs = [colossal_lr(k, PEAK, TOTAL, WARMUP, ETA_MIN) for k in range(15)]
+  tensors = {k: torch.tensor(np.asarray(v), requires_grad=True) for k, v in params.items()}
+  cls = torch.optim.AdamW if adamw_mode else torch.optim.Adam
+  opt = cls(list(tensors.values()), lr=lrs[0], betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+  for g, lr in zip(grads, lrs):
+    opt.param_groups[0]["lr"] = lr
+    for k, t in tensors.items():
+      t.grad = torch.tensor(g[k])
+    opt.step()
+  tx = optax_hybrid.hybrid_adamw(schedule(), b2=0.95, weight_decay=0.1, adamw_mode=adamw_mode)
+  history, _ = run(tx, params, grads)
+  for k, t in tensors.items():
+    np.testing.assert_allclose(np.asarray(history[-1][k]), t.detach().numpy(), rtol=2e-5, atol=5e-6)
