@@ -18,9 +18,6 @@ from optax_hybrid.kernels import resolve_kernel, step_scalars
 ScalarOrSchedule = Union[float, jax.Array, optax.Schedule]
 MaskOrFn = Optional[Union[Any, Callable[[optax.Params], Any]]]
 
-_UNSET = object()
-
-
 class HybridAdamState(NamedTuple):
   """State of :func:`hybrid_adamw` and :func:`scale_by_hybrid_adam`.
 
@@ -50,7 +47,7 @@ def _concrete_float(name: str, value: Any) -> float | None:
   if isinstance(value, numbers.Real):
     return float(value)
   if isinstance(value, (np.ndarray, np.generic, jax.Array)):
-    if np.ndim(value) != 0 or not np.issubdtype(np.asarray(value).dtype, np.number):
+    if np.ndim(value) != 0 or not jnp.issubdtype(np.asarray(value).dtype, jnp.number):
       raise TypeError(
           f"hybrid_adamw: `{name}` must be a scalar number, got an array of "
           f"shape {np.shape(value)} and dtype {np.asarray(value).dtype}."
@@ -70,7 +67,13 @@ def _check_range(name: str, value: Any, *, low: float, high: float | None = None
   if x < low or (high is not None and (x >= high if high_open else x > high)):
     upper = "" if high is None else (f", {high})" if high_open else f", {high}]")
     accepted = f"[{low}{upper}" if high is not None else f">= {low}"
-    raise ValueError(f"hybrid_adamw: `{name}` must be in {accepted}, got {x!r}.")
+    hint = ""
+    if high_open and x == high and not isinstance(value, numbers.Real):
+      # A beta that rounded up to 1: typically optax.inject_hyperparams casting
+      # hyperparameters to the dtype of bf16/fp16 params.
+      hint = (" It is a low-precision array: with optax.inject_hyperparams and "
+              "bf16/fp16 params pass hyperparam_dtype=jnp.float32.")
+    raise ValueError(f"hybrid_adamw: `{name}` must be in {accepted}, got {x!r}.{hint}")
 
 
 def _check_learning_rate(learning_rate: Any) -> None:
@@ -317,7 +320,7 @@ def hybrid_adamw(
     nu_dtype: Any = None,
     state_memory_kind: placement.MemoryKindSpec = None,
     kernel: str = "auto",
-    weight_decay_mask: MaskOrFn = _UNSET,
+    weight_decay_mask: MaskOrFn = None,
 ) -> optax.GradientTransformationExtraArgs:
   r"""AdamW as ColossalAI's HybridAdam and ``torch.optim.AdamW`` compute it, with placeable state.
 
@@ -392,7 +395,7 @@ def hybrid_adamw(
     >>> updates, state = tx.update({"w": jnp.ones((3,))}, state, params)
     >>> params = optax_hybrid.apply_updates(params, updates)
   """
-  if weight_decay_mask is not _UNSET:
+  if weight_decay_mask is not None:
     if mask is not None:
       raise ValueError(
           "hybrid_adamw: pass either `mask` or its alias `weight_decay_mask`, not both."

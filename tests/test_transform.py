@@ -308,6 +308,34 @@ def test_bad_updates_raise_and_leave_state_usable():
   assert int(state.count) == 0 and int(new_state.count) == 1
 
 
+def test_more_bad_updates():
+  params, (g,) = make_params(), make_grads(1)
+  needs_params = optax_hybrid.hybrid_adamw(1e-2, weight_decay=0.1, mask=lambda p: {"w": True, "b": True, "s": True})
+  with pytest.raises(ValueError, match="callable `mask` needs the params"):
+    needs_params.update(g, needs_params.init(params))
+  tx = optax_hybrid.hybrid_adamw(1e-2, weight_decay=0.1)
+  with pytest.raises(ValueError, match="`params` must have the tree structure"):
+    tx.update(g, tx.init(params), {"w": params["w"]})
+  not_bool = optax_hybrid.hybrid_adamw(1e-2, weight_decay=0.1, mask={"w": 1.0, "b": True, "s": True})
+  with pytest.raises(TypeError, match="`mask` leaves must be bools"):
+    not_bool.update(g, not_bool.init(params), params)
+  traced_mask = optax_hybrid.hybrid_adamw(1e-2, weight_decay=0.1, mask=lambda p: jax.tree.map(lambda x: x.sum() > 0, p))
+  with pytest.raises(TypeError, match="concrete bools"):
+    jax.jit(traced_mask.update)(g, traced_mask.init(params), params)
+
+
+def test_inject_hyperparams_bf16_beta_rounding_is_explained():
+  params = make_params(dtype=jnp.bfloat16)
+  tx = optax.inject_hyperparams(optax_hybrid.hybrid_adamw)(learning_rate=1e-3)
+  with pytest.raises(ValueError, match="hyperparam_dtype=jnp.float32"):
+    tx.init(params)  # b2=0.999 rounds to 1.0 in bf16
+  tx32 = optax.inject_hyperparams(optax_hybrid.hybrid_adamw, hyperparam_dtype=jnp.float32)(learning_rate=1e-3)
+  state = tx32.init(params)
+  grads = jax.tree.map(jnp.ones_like, params)
+  updates, _ = jax.jit(tx32.update)(grads, state, params)
+  assert all(bool(jnp.all(jnp.isfinite(u))) for u in jax.tree.leaves(updates))
+
+
 def test_integer_params_are_rejected_at_init():
   with pytest.raises(TypeError, match=r"\['step'\].*int32"):
     optax_hybrid.hybrid_adamw(1e-3).init({"w": jnp.ones(2), "step": jnp.zeros((), jnp.int32)})
