@@ -10,6 +10,7 @@ import inspect
 from typing import Any, Callable, Sequence
 
 import jax
+import jax.extend  # a submodule that ``import jax`` does not load
 from jax.experimental import compute_on as _compute_on_module
 
 # ``jax.memory.Space`` names the two memory spaces a jitted value can be typed
@@ -65,8 +66,15 @@ def memory_space_of(x: Any) -> Any:
   return HOST if space == HOST else DEVICE
 
 
+# Types used to walk jaxprs and recognise traced values. ``jax.extend.core`` is
+# their public home in both supported releases; ``jax.core.Tracer`` is too.
+Tracer = jax.core.Tracer
+ClosedJaxpr = jax.extend.core.ClosedJaxpr
+Jaxpr = jax.extend.core.Jaxpr
+
+
 def is_tracer(x: Any) -> bool:
-  return isinstance(x, jax.core.Tracer)
+  return isinstance(x, Tracer)
 
 
 def move(x: Any, space: Any) -> Any:

@@ -19,7 +19,6 @@ from __future__ import annotations
 from typing import Any, Callable, Sequence
 
 import jax
-import jax.extend  # noqa: F401  (jax.extend.core.Jaxpr types, for walking jaxprs)
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import SingleDeviceSharding
@@ -308,9 +307,9 @@ def _sub_jaxprs(eqn) -> list:
   subs = []
   for value in eqn.params.values():
     for v in value if isinstance(value, (tuple, list)) else (value,):
-      if isinstance(v, jax.extend.core.ClosedJaxpr):
+      if isinstance(v, _compat.ClosedJaxpr):
         subs.append(v.jaxpr)
-      elif isinstance(v, jax.extend.core.Jaxpr):
+      elif isinstance(v, _compat.Jaxpr):
         subs.append(v)
   return subs
 
