@@ -10,6 +10,9 @@ import inspect
 from typing import Any, Callable, Sequence
 
 import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
 import jax.extend  # a submodule that ``import jax`` does not load
 from jax.experimental import compute_on as _compute_on_module
 
@@ -86,3 +89,23 @@ def move(x: Any, space: Any) -> Any:
 
 def move_all(xs: Sequence[Any], space: Any) -> list[Any]:
   return [move(x, space) for x in xs]
+
+
+_UINT_OF_SIZE = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+
+
+def zeros_like(x: Any) -> Any:
+  """Zeros with ``x``'s shape, dtype and memory space, also inside host compute.
+
+  Inside ``compute_on('device_host')`` a broadcast constant (``jnp.zeros_like``,
+  a scalar in ``jnp.where``) is typed as device memory in JAX 0.10, and mixing
+  it with host values fails at trace time; clearing the bits of ``x`` keeps
+  its type, and gives +0 whatever ``x`` holds (NaN and infinities included).
+  """
+  if memory_space_of(x) != HOST:
+    return jnp.zeros_like(x)
+  if jnp.iscomplexobj(x):
+    return lax.complex(zeros_like(x.real), zeros_like(x.imag))
+  utype = _UINT_OF_SIZE[x.dtype.itemsize]
+  bits = lax.bitcast_convert_type(x, utype)
+  return lax.bitcast_convert_type(lax.bitwise_and(bits, np.array(0, utype)), x.dtype)

@@ -161,27 +161,41 @@ def zeros_placed(param: Any, dtype: Any, kind: str) -> Any:
   return jax.device_put(np.zeros(shape, dtype), sharding)
 
 
+def _replicated_like(sharding: Any) -> Any:
+  """A device-memory sharding that replicates a scalar over ``sharding``'s devices."""
+  if isinstance(sharding, jax.sharding.NamedSharding):
+    return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
+  if len(sharding.device_set) == 1:
+    return SingleDeviceSharding(next(iter(sharding.device_set)))
+  return None
+
+
 def step_counter_like(state_leaves: Sequence[Any]) -> Any:
-  """An int32 zero for the step count, placed to match the state's arrays.
+  """An int32 zero for a step counter, placed to match the state's arrays.
 
   If the moments are committed to devices (always so in host memory) the
-  count is committed too, replicated over the same devices: a jitted step then
-  sees the same argument signature on its first call and on every later one.
+  counter is committed too, replicated over the same devices: a jitted step
+  then sees the same argument signature on its first call and on every later
+  one, and a checkpoint restored into the abstract state lands there too.
   """
-  if any(isinstance(x, jax.ShapeDtypeStruct) for x in state_leaves):
-    return jax.ShapeDtypeStruct((), jnp.int32)
+  abstract = any(isinstance(x, jax.ShapeDtypeStruct) for x in state_leaves)
+  replicated = None
   for x in state_leaves:
-    if _compat.is_tracer(x) or not getattr(x, "committed", False):
+    if abstract:
+      sharding = getattr(x, "sharding", None)
+    elif _compat.is_tracer(x) or not getattr(x, "committed", False):
       continue
-    sharding = x.sharding
-    if isinstance(sharding, jax.sharding.NamedSharding):
-      replicated = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
-    elif len(sharding.device_set) == 1:
-      replicated = SingleDeviceSharding(next(iter(sharding.device_set)))
     else:
-      continue
-    return jnp.zeros([], jnp.int32, device=replicated.with_memory_kind(DEVICE_KIND))
-  return jnp.zeros([], jnp.int32)
+      sharding = x.sharding
+    if sharding is not None:
+      replicated = _replicated_like(sharding)
+      if replicated is not None:
+        break
+  if abstract:
+    return jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated)
+  if replicated is None:
+    return jnp.zeros([], jnp.int32)
+  return jnp.zeros([], jnp.int32, device=replicated)
 
 
 # ---------------------------------------------------------------------------
@@ -234,7 +248,7 @@ def run_placed_update(
       return kernel(g, m, v, p, group_decays, group_dtypes, s, adamw_mode=adamw_mode)
 
     if space == HOST:
-      host_scalars = type(scalars)(*_compat.move_all(scalars, HOST))
+      host_scalars = type(scalars)(*(None if x is None else _compat.move(x, HOST) for x in scalars))
       step = _compat.host_compute(step, out_memory_spaces=HOST)
       outs = step(*operands, host_scalars)
     else:
@@ -244,6 +258,28 @@ def run_placed_update(
       new_mus[i] = _compat.move(outs[1][j], _compat.memory_space_of(mus[i]))
       new_nus[i] = _compat.move(outs[2][j], _compat.memory_space_of(nus[i]))
   return updates, new_mus, new_nus
+
+
+def all_finite(leaves: Sequence[jax.Array]) -> jax.Array:
+  """A device bool scalar: are all elements of all ``leaves`` finite?
+
+  One fused reduction per leaf, computed where the leaf lives (host-resident
+  leaves inside host compute), so no device arithmetic reads host memory.
+  """
+  flags = []
+  host_leaves = [x for x in leaves if _compat.memory_space_of(x) == HOST]
+  for x in leaves:
+    if _compat.memory_space_of(x) != HOST:
+      flags.append(jnp.all(jnp.isfinite(x)))
+  if host_leaves:
+    host_check = _compat.host_compute(
+        lambda xs: jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in xs])),
+        out_memory_spaces=HOST,
+    )
+    flags.append(_compat.move(host_check(host_leaves), DEVICE))
+  if not flags:
+    return jnp.asarray(True)
+  return jnp.all(jnp.stack(flags))
 
 
 def apply_updates(params: Any, updates: Any) -> Any:

@@ -25,12 +25,15 @@ class HybridAdamState(NamedTuple):
     count: int32 scalar, the number of updates taken (on device).
     mu: first moments, shaped like the params, in ``mu_dtype`` and their
       state memory kind.
-    nu: second moments, likewise in ``nu_dtype``.
+    nu: second moments, likewise in ``nu_dtype`` (real for complex params).
+    skipped: int32 scalar, the number of steps skipped for non-finite
+      gradients (``skip_nonfinite=True``); they do not advance ``count``.
   """
 
   count: jax.Array
   mu: optax.Updates
   nu: optax.Updates
+  skipped: jax.Array
 
 
 # ---------------------------------------------------------------------------
@@ -87,16 +90,44 @@ def _is_zero(value: Any) -> bool:
   return not _compat.is_tracer(value) and float(np.asarray(value)) == 0.0
 
 
-def _check_float_leaves(tree: Any, what: str) -> None:
+def _is_inexact(dtype) -> bool:
+  return jnp.issubdtype(dtype, jnp.floating) or jnp.issubdtype(dtype, jnp.complexfloating)
+
+
+def _check_inexact_leaves(tree: Any, what: str) -> None:
   for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
     dtype = jnp.result_type(leaf) if not hasattr(leaf, "dtype") else leaf.dtype
-    if not jnp.issubdtype(dtype, jnp.floating):
+    if not _is_inexact(dtype):
       raise TypeError(
           f"hybrid_adamw: {what} leaf {jax.tree_util.keystr(path) or '<root>'} has "
-          f"dtype {dtype}; only real floating-point leaves can be optimized. Keep "
-          "integer, boolean and complex leaves out of the optimized tree (for "
-          "example with optax.masked or nnx.Optimizer(..., wrt=nnx.Param))."
+          f"dtype {dtype}; only floating-point and complex leaves can be "
+          "optimized. Keep integer and boolean leaves out of the optimized tree "
+          "(for example with optax.masked or nnx.Optimizer(..., wrt=nnx.Param))."
       )
+
+
+def _moment_dtypes(param_dtype, mu_dtype, nu_dtype, path) -> tuple:
+  """Storage dtypes of one leaf's moments. The second moment of a complex leaf is real."""
+  complex_param = jnp.issubdtype(param_dtype, jnp.complexfloating)
+  mu = param_dtype if mu_dtype is None else mu_dtype
+  nu = (jnp.finfo(param_dtype).dtype if complex_param else param_dtype) if nu_dtype is None else nu_dtype
+  if complex_param and not jnp.issubdtype(mu, jnp.complexfloating):
+    raise ValueError(
+        f"hybrid_adamw: `mu_dtype`={jnp.dtype(mu)} cannot hold the first moment of the "
+        f"complex param {jax.tree_util.keystr(path)}; use a complex mu_dtype or None."
+    )
+  if jnp.issubdtype(nu, jnp.complexfloating):
+    raise ValueError(
+        f"hybrid_adamw: `nu_dtype`={jnp.dtype(nu)} must be real: the second moment "
+        "accumulates |g|^2."
+    )
+  return mu, nu
+
+
+def _paths(treedef) -> Any:
+  """A tree shaped like ``treedef`` whose leaves are their own key paths, as strings."""
+  dummy = treedef.unflatten([0] * treedef.num_leaves)
+  return jax.tree_util.tree_map_with_path(lambda path, _: jax.tree_util.keystr(path) or "<root>", dummy)
 
 
 def _mask_leaves(mask: MaskOrFn, params: Any, treedef: Any) -> list[bool]:
@@ -159,6 +190,7 @@ def _hybrid_adam(
     nu_dtype: Any,
     state_memory_kind: placement.MemoryKindSpec,
     kernel: str,
+    skip_nonfinite: bool,
 ) -> optax.GradientTransformationExtraArgs:
   _check_range("b1", b1, low=0.0, high=1.0, high_open=True)
   _check_range("b2", b2, low=0.0, high=1.0, high_open=True)
@@ -170,24 +202,26 @@ def _hybrid_adam(
   mu_dtype = None if mu_dtype is None else jnp.dtype(mu_dtype)
   nu_dtype = None if nu_dtype is None else jnp.dtype(nu_dtype)
   for name, dtype in (("mu_dtype", mu_dtype), ("nu_dtype", nu_dtype)):
-    if dtype is not None and not jnp.issubdtype(dtype, jnp.floating):
+    if dtype is not None and not _is_inexact(dtype):
       raise ValueError(f"hybrid_adamw: `{name}` must be a floating dtype, got {dtype}.")
+  if not isinstance(skip_nonfinite, (bool, np.bool_)):
+    raise TypeError(f"hybrid_adamw: `skip_nonfinite` must be a Python bool, got {skip_nonfinite!r}.")
   placement.check_memory_kind_spec(state_memory_kind)
   run_kernel = resolve_kernel(kernel)
   decay_is_static_zero = _is_zero(weight_decay)
 
   def init_fn(params):
-    _check_float_leaves(params, "params")
+    _check_inexact_leaves(params, "params")
     kinds = placement.resolve_state_kinds(params, state_memory_kind)
-
-    def moments(dtype):
-      return jax.tree.map(
-          lambda p, kind: placement.zeros_placed(p, dtype or p.dtype, kind), params, kinds
-      )
-
-    mu, nu = moments(mu_dtype), moments(nu_dtype)
-    count = placement.step_counter_like(jax.tree.leaves(mu) + jax.tree.leaves(nu))
-    return HybridAdamState(count=count, mu=mu, nu=nu)
+    dtypes = jax.tree_util.tree_map_with_path(
+        lambda path, p: _moment_dtypes(p.dtype, mu_dtype, nu_dtype, path), params)
+    # ``dtypes`` has a (mu, nu) tuple where params have a leaf.
+    pick = lambda i: jax.tree.map(lambda p, d: d[i], params, dtypes)
+    mu = jax.tree.map(placement.zeros_placed, params, pick(0), kinds)
+    nu = jax.tree.map(placement.zeros_placed, params, pick(1), kinds)
+    state_leaves = jax.tree.leaves(mu) + jax.tree.leaves(nu)
+    count = placement.step_counter_like(state_leaves)
+    return HybridAdamState(count=count, mu=mu, nu=nu, skipped=placement.step_counter_like(state_leaves))
 
   def update_fn(updates, state, params=None, **extra_args):
     del extra_args
@@ -207,13 +241,19 @@ def _hybrid_adam(
           f"{jax.tree.structure(state.mu)}. Pass gradients for the same params "
           "tree the state was initialized with."
       ) from e
-    for g, m in zip(grad_leaves, mu_leaves):
+    _check_inexact_leaves(updates, "gradient")
+    for path, g, m in zip(treedef.flatten_up_to(_paths(treedef)), grad_leaves, mu_leaves):
       if np.shape(g) != np.shape(m):
         raise ValueError(
-            f"hybrid_adamw: a gradient of shape {np.shape(g)} does not match its "
-            f"state of shape {np.shape(m)}."
+            f"hybrid_adamw: the gradient at {path} has shape {np.shape(g)} but its "
+            f"optimizer state has shape {np.shape(m)}."
         )
-    _check_float_leaves(updates, "gradient")
+      if jnp.iscomplexobj(g) != jnp.iscomplexobj(m):
+        raise TypeError(
+            f"hybrid_adamw: the gradient at {path} has dtype {g.dtype} but its "
+            f"first moment has dtype {m.dtype}: complex params need complex "
+            "gradients and real params real ones."
+        )
 
     decays = [False] * len(grad_leaves)
     if not decay_is_static_zero:
@@ -235,7 +275,8 @@ def _hybrid_adam(
 
     count = state.count
     lr = learning_rate(count) if callable(learning_rate) else learning_rate
-    scalars = step_scalars(count, lr, b1, b2, eps, weight_decay, bias_correction)
+    step_ok = placement.all_finite(grad_leaves) if skip_nonfinite else None
+    scalars = step_scalars(count, lr, b1, b2, eps, weight_decay, bias_correction, step_ok)
     update_dtypes = [
         jnp.result_type(g.dtype, m.dtype, v.dtype)
         for g, m, v in zip(grad_leaves, mu_leaves, nu_leaves)
@@ -251,10 +292,15 @@ def _hybrid_adam(
         scalars,
         adamw_mode=adamw_mode,
     )
+    new_count, skipped = numerics.safe_increment(count), state.skipped
+    if step_ok is not None:
+      new_count = jnp.where(step_ok, new_count, count)
+      skipped = jnp.where(step_ok, skipped, numerics.safe_increment(skipped))
     new_state = HybridAdamState(
-        count=numerics.safe_increment(count),
+        count=new_count,
         mu=jax.tree.unflatten(treedef, new_mu),
         nu=jax.tree.unflatten(treedef, new_nu),
+        skipped=skipped,
     )
     return jax.tree.unflatten(treedef, new_updates), new_state
 
@@ -274,6 +320,7 @@ def scale_by_hybrid_adam(
     nu_dtype: Any = None,
     state_memory_kind: placement.MemoryKindSpec = None,
     kernel: str = "auto",
+    skip_nonfinite: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
   r"""The Adam direction, without the learning rate, for users who compose their own chain.
 
@@ -303,6 +350,7 @@ def scale_by_hybrid_adam(
       nu_dtype=nu_dtype,
       state_memory_kind=state_memory_kind,
       kernel=kernel,
+      skip_nonfinite=skip_nonfinite,
   )
 
 
@@ -320,6 +368,7 @@ def hybrid_adamw(
     nu_dtype: Any = None,
     state_memory_kind: placement.MemoryKindSpec = None,
     kernel: str = "auto",
+    skip_nonfinite: bool = False,
     weight_decay_mask: MaskOrFn = None,
 ) -> optax.GradientTransformationExtraArgs:
   r"""AdamW as ColossalAI's HybridAdam and ``torch.optim.AdamW`` compute it, with placeable state.
@@ -359,12 +408,17 @@ def hybrid_adamw(
       of the params (or a prefix of it), or a callable ``params -> tree``.
       ``None``: every leaf.
     mu_dtype: dtype of the first moments; ``None``: the param's dtype.
-    nu_dtype: dtype of the second moments; ``None``: the param's dtype.
+    nu_dtype: dtype of the second moments; ``None``: the param's dtype (its
+      real counterpart for complex params, whose second moment is real).
     state_memory_kind: where the moments live: ``None`` (beside each param),
       ``"device"``, ``"pinned_host"``, or a callable ``(path, param) -> kind``
       choosing per leaf (returning ``None`` for "beside the param").
     kernel: ``"auto"`` or ``"xla"`` (the fused XLA step); ``"pallas"`` is not
       available yet.
+    skip_nonfinite: skip a step whose gradients hold a NaN or an infinity:
+      zero updates, moments and ``count`` unchanged, ``state.skipped``
+      incremented. Costs one reduction over the gradients, no extra pass over
+      the moments (the choice is made inside the fused step).
     weight_decay_mask: alias of ``mask``, as ``optax.adamw`` names it.
 
   All numeric hyperparameters may be traced, so
@@ -415,4 +469,5 @@ def hybrid_adamw(
       nu_dtype=nu_dtype,
       state_memory_kind=state_memory_kind,
       kernel=kernel,
+      skip_nonfinite=skip_nonfinite,
   )

@@ -358,3 +358,96 @@ def test_parity_with_torch_when_installed(adamw_mode):
   history, _ = run(tx, params, grads)
   for k, t in tensors.items():
     np.testing.assert_allclose(np.asarray(history[-1][k]), t.detach().numpy(), rtol=2e-5, atol=5e-6)
+
+
+# --- non-finite gradients ---------------------------------------------------
+
+def _poison(grads, step, leaf, value):
+  grads = [dict(g) for g in grads]
+  bad = np.array(grads[step][leaf], copy=True)
+  bad.flat[0] = value
+  grads[step][leaf] = bad
+  return grads
+
+
+@pytest.mark.parametrize("tier", ["device", "pinned_host", "host_params"])
+def test_nonfinite_steps_are_skipped_in_every_tier(tier):
+  params, grads = make_params(), make_grads(5)
+  params = jax.device_put(params, jax.devices()[0])
+  bad = _poison(_poison(grads, 1, "w", np.nan), 3, "s", np.inf)
+  kind = "pinned_host" if tier == "pinned_host" else None
+  if tier == "host_params":
+    params = jax.device_put(params, jax.memory.Space.Host)
+  tx = optax_hybrid.hybrid_adamw(schedule(), weight_decay=0.1, state_memory_kind=kind, skip_nonfinite=True)
+
+  def step(p, s, g):
+    u, s = tx.update(g, s, p)
+    return optax_hybrid.apply_updates(p, u), s
+
+  jaxpr = jax.make_jaxpr(step)(params, tx.init(params), bad[0])
+  assert optax_hybrid.host_arithmetic_outside_host_compute(jaxpr) == []
+  step = jax.jit(step)
+  p, s = params, tx.init(params)
+  for i, g in enumerate(bad):
+    before = (p, s)
+    p, s = step(p, s, g)
+    if i in (1, 3):  # skipped: params, moments and count exactly as before
+      chex.assert_trees_all_equal(jax.device_get(p), jax.device_get(before[0]))
+      chex.assert_trees_all_equal(jax.device_get(s.mu), jax.device_get(before[1].mu))
+      chex.assert_trees_all_equal(jax.device_get(s.nu), jax.device_get(before[1].nu))
+      assert int(s.count) == int(before[1].count)
+  assert int(s.count) == 3 and int(s.skipped) == 2
+  # Equal to a run that never saw the bad steps.
+  clean = [g for i, g in enumerate(grads) if i not in (1, 3)]
+  p_ref, s_ref = params, tx.init(params)
+  for g in clean:
+    p_ref, s_ref = step(p_ref, s_ref, g)
+  chex.assert_trees_all_equal(jax.device_get(p), jax.device_get(p_ref))
+  chex.assert_trees_all_equal(jax.device_get(s.nu), jax.device_get(s_ref.nu))
+  assert {x.sharding.memory_kind for x in jax.tree.leaves(s.mu)} == {"device" if tier == "device" else "pinned_host"}
+
+
+def test_nonfinite_grads_without_the_option_propagate():
+  params, grads = make_params(), _poison(make_grads(1), 0, "b", np.nan)
+  tx = optax_hybrid.hybrid_adamw(1e-2)
+  updates, state = tx.update(grads[0], tx.init(params), params)
+  assert np.isnan(np.asarray(updates["b"])).any() and int(state.count) == 1
+
+
+def test_composes_with_optax_apply_if_finite():
+  params, grads = make_params(), _poison(make_grads(3), 1, "w", np.inf)
+  tx = optax.apply_if_finite(optax_hybrid.hybrid_adamw(1e-2, weight_decay=0.1), max_consecutive_errors=2)
+  history, state = run(tx, params, grads)
+  chex.assert_trees_all_equal(history[1], history[0])
+  assert int(state.inner_state.count) == 2 and int(state.total_notfinite) == 1
+  clean, _ = run(optax_hybrid.hybrid_adamw(1e-2, weight_decay=0.1), params, [grads[0], grads[2]])
+  chex.assert_trees_all_close(history[-1], clean[-1], rtol=1e-6)
+
+
+# --- complex parameters -----------------------------------------------------
+
+def test_complex_params_match_optax_adamw():
+  rng = np.random.default_rng(5)
+  cplx = lambda *s: (rng.normal(size=s) + 1j * rng.normal(size=s)).astype(np.complex64)
+  params = {"z": jnp.asarray(cplx(4, 3)), "r": jnp.asarray(rng.normal(size=5), jnp.float32)}
+  grads = [{"z": cplx(4, 3), "r": rng.normal(size=5).astype(np.float32)} for _ in range(10)]
+  ours, s_ours = run(optax_hybrid.hybrid_adamw(schedule(), weight_decay=0.05), params, grads)
+  theirs, s_theirs = run(optax.adamw(schedule(), weight_decay=0.05), params, grads)
+  for a, b in zip(ours, theirs):
+    chex.assert_trees_all_close(a, b, rtol=1e-5, atol=1e-7)
+  assert s_ours.nu["z"].dtype == jnp.float32  # |g|^2 is real: half optax's storage
+  # |g|^2 from a complex product: a few more float32 roundings than the real case.
+  np.testing.assert_allclose(np.asarray(s_ours.nu["z"]), np.asarray(s_theirs[0].nu["z"]).real, rtol=3e-5)
+  assert np.abs(np.asarray(s_theirs[0].nu["z"]).imag).max() == 0
+
+
+def test_complex_dtype_errors():
+  params = {"z": jnp.ones(3, jnp.complex64)}
+  with pytest.raises(ValueError, match="mu_dtype"):
+    optax_hybrid.hybrid_adamw(1e-3, mu_dtype=jnp.float32).init(params)
+  with pytest.raises(ValueError, match="nu_dtype"):
+    optax_hybrid.hybrid_adamw(1e-3, nu_dtype=jnp.complex64).init(params)
+  tx = optax_hybrid.hybrid_adamw(1e-3)
+  real = {"z": jnp.ones(3)}
+  with pytest.raises(TypeError, match=r"\['z'\] has dtype complex64"):
+    tx.update({"z": jnp.ones(3, jnp.complex64)}, tx.init(real), real)

@@ -25,6 +25,9 @@ from typing import NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
+from jax import lax
+
+from optax_hybrid import _compat
 
 
 class AdamScalars(NamedTuple):
@@ -42,6 +45,9 @@ class AdamScalars(NamedTuple):
   weight_decay: jax.Array
   bias_correction1: jax.Array  # 1 - b1**t, or 1 without bias correction
   bias_correction2_sqrt: jax.Array  # sqrt(1 - b2**t), or 1
+  # A bool scalar, or None: when False the step is skipped (zero update,
+  # moments unchanged). Selecting inside the step costs no extra pass.
+  step_ok: jax.Array | None = None
 
 
 def step_scalars(
@@ -52,6 +58,7 @@ def step_scalars(
     eps,
     weight_decay,
     bias_correction: bool,
+    step_ok: jax.Array | None = None,
 ) -> AdamScalars:
   """Builds :class:`AdamScalars` for the update that follows ``count`` earlier ones."""
   f32 = lambda x: jnp.asarray(x, dtype=jnp.float32)
@@ -62,7 +69,17 @@ def step_scalars(
     bc2_sqrt = jnp.sqrt(1.0 - b2**t)
   else:
     bc1 = bc2_sqrt = jnp.ones([], jnp.float32)
-  return AdamScalars(f32(learning_rate), b1, b2, f32(eps), f32(weight_decay), bc1, bc2_sqrt)
+  return AdamScalars(
+      f32(learning_rate), b1, b2, f32(eps), f32(weight_decay), bc1, bc2_sqrt, step_ok
+  )
+
+
+def compute_dtype(dtype) -> jnp.dtype:
+  """The dtype the step's arithmetic runs in: float32, or wider if the leaf is.
+
+  Complex leaves compute in the complex type of that precision.
+  """
+  return jnp.promote_types(dtype, jnp.float32)
 
 
 def adam_leaf_update(
@@ -79,19 +96,27 @@ def adam_leaf_update(
   """One leaf's step. Returns ``(update, new_mu, new_nu)`` in their storage dtypes.
 
   ``decay`` says whether this leaf takes weight decay (the mask); ``param`` may
-  be ``None`` only when it does not.
+  be ``None`` only when it does not. Complex leaves follow ``optax.adamw``: the
+  second moment accumulates :math:`|g|^2` and stays real.
   """
-  g = grad.astype(jnp.float32)
+  dtype = compute_dtype(grad.dtype)
+  g = grad.astype(dtype)
   if decay:
-    p = param.astype(jnp.float32)
+    p = param.astype(dtype)
     if not adamw_mode:
       g = g + s.weight_decay * p
-  m = s.b1 * mu.astype(jnp.float32) + (1.0 - s.b1) * g
-  v = s.b2 * nu.astype(jnp.float32) + (1.0 - s.b2) * (g * g)
+  m = s.b1 * mu.astype(dtype) + (1.0 - s.b1) * g
+  g_sq = (g * jnp.conj(g)).real if jnp.iscomplexobj(g) else g * g
+  v = s.b2 * nu.astype(g_sq.dtype) + (1.0 - s.b2) * g_sq
   denom = jnp.sqrt(v) / s.bias_correction2_sqrt + s.eps
   update = -(s.learning_rate / s.bias_correction1) * (m / denom)
   if decay and adamw_mode:
     update = update - (s.learning_rate * s.weight_decay) * p
+  if s.step_ok is not None:
+    # A scalar predicate selects without broadcasting, which host compute needs.
+    update = lax.select_n(s.step_ok, _compat.zeros_like(update), update)
+    m = lax.select_n(s.step_ok, mu.astype(m.dtype), m)
+    v = lax.select_n(s.step_ok, nu.astype(v.dtype), v)
   return update.astype(update_dtype), m.astype(mu.dtype), v.astype(nu.dtype)
 
 
