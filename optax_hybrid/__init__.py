@@ -11,8 +11,10 @@ Public API:
   any memory kind.
 * :func:`host_arithmetic_outside_host_compute`: finds device arithmetic on
   host-resident values in a jaxpr.
+* :mod:`optax_hybrid.checkpoint`: Orbax save/restore that keeps memory kinds.
 """
 
+from optax_hybrid import checkpoint
 from optax_hybrid.placement import (
     STATE_MEMORY_KINDS,
     apply_updates,
@@ -28,6 +30,7 @@ __all__ = [
     "HybridAdamState",
     "STATE_MEMORY_KINDS",
     "apply_updates",
+    "checkpoint",
     "available_memory_kinds",
     "host_arithmetic_outside_host_compute",
     "hybrid_adamw",

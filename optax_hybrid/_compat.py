@@ -109,3 +109,21 @@ def zeros_like(x: Any) -> Any:
   utype = _UINT_OF_SIZE[x.dtype.itemsize]
   bits = lax.bitcast_convert_type(x, utype)
   return lax.bitcast_convert_type(lax.bitwise_and(bits, np.array(0, utype)), x.dtype)
+
+
+def match_type_to_sharding(x: Any) -> Any:
+  """Makes an array's type agree with its sharding's memory kind.
+
+  Arrays assembled from per-device buffers (Orbax restores,
+  ``jax.make_array_from_single_device_arrays``) can carry a ``pinned_host``
+  sharding while their abstract type still says device memory; ``jit`` then
+  traces them as device values and compiles the wrong placement. A real copy
+  (``may_alias=False``) rebuilds the array with a consistent type.
+  """
+  if not isinstance(x, jax.Array) or is_tracer(x):
+    return x
+  kind = getattr(x.sharding, "memory_kind", None)
+  wants_host = kind in ("pinned_host", "unpinned_host")
+  if wants_host != (memory_space_of(x) == HOST):
+    return jax.device_put(x, x.sharding, may_alias=False)
+  return x

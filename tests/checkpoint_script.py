@@ -1,0 +1,81 @@
+"""Run by test_checkpoint.py in fresh processes: train / resume / a save killed midway."""
+
+import argparse
+import os
+import signal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import optax_hybrid
+
+SHAPES = {"w": (64, 33), "b": (33,), "s": ()}
+
+
+def setup():
+  rng = np.random.default_rng(0)
+  params = {k: jnp.asarray(rng.normal(size=s), jnp.float32) for k, s in SHAPES.items()}
+  params = jax.device_put(params, jax.devices()[0])
+  sched = optax_hybrid.warmup_cosine_schedule(1e-2, total_steps=8, warmup_steps=2, eta_min=1e-3)
+  tx = optax_hybrid.hybrid_adamw(sched, b2=0.95, weight_decay=0.1, state_memory_kind="pinned_host",
+                                 skip_nonfinite=True)
+  return params, tx
+
+
+def grads_for(step):
+  rng = np.random.default_rng(1000 + step)
+  g = {k: rng.normal(size=s).astype(np.float32) for k, s in SHAPES.items()}
+  if step == 2:
+    g["w"][0, 0] = np.nan  # a skipped step inside the run: count and skipped must round-trip
+  return g
+
+
+def train(args):
+  params, tx = setup()
+  state = tx.init(params)
+
+  def step_fn(p, s, g):
+    u, s = tx.update(g, s, p)
+    return optax_hybrid.apply_updates(p, u), s
+
+  step_fn = jax.jit(step_fn, donate_argnums=(0, 1))
+  manager = optax_hybrid.checkpoint.manager(args.dir)
+  start = 0
+  if args.resume:
+    start = manager.latest_step()
+    restored = optax_hybrid.checkpoint.restore(manager, like={"params": params, "opt": state})
+    params, state = restored["params"], restored["opt"]
+    kinds = {x.sharding.memory_kind for x in jax.tree.leaves((state.mu, state.nu))}
+    assert kinds == {"pinned_host"}, kinds
+    assert state.count.sharding.memory_kind == "device"
+    print(f"RESTORED step={start} count={int(state.count)} skipped={int(state.skipped)}")
+  for step in range(start, args.steps):
+    params, state = step_fn(params, state, grads_for(step))
+    if step + 1 == args.save_at:
+      optax_hybrid.checkpoint.save(manager, step + 1, {"params": params, "opt": state}, wait=True)
+  leaves = jax.tree.leaves(jax.device_get({"params": params, "opt": state}))
+  np.savez(args.out, *leaves)
+  print(f"DONE count={int(state.count)} skipped={int(state.skipped)}")
+
+
+def kill_during_save(args):
+  manager = optax_hybrid.checkpoint.manager(args.dir)
+  small = {"x": jnp.arange(10.0)}
+  optax_hybrid.checkpoint.save(manager, 1, small, wait=True)
+  # Large enough that writing takes far longer than reaching the kill below.
+  big = {"x": jnp.ones((128, 1024, 1024), jnp.float32), "y": jnp.ones((64, 1024, 1024), jnp.float32)}
+  optax_hybrid.checkpoint.save(manager, 2, big)
+  os.kill(os.getpid(), signal.SIGKILL)
+
+
+if __name__ == "__main__":
+  parser = argparse.ArgumentParser()
+  parser.add_argument("mode", choices=["train", "kill"])
+  parser.add_argument("--dir", required=True)
+  parser.add_argument("--steps", type=int, default=8)
+  parser.add_argument("--save-at", type=int, default=-1)
+  parser.add_argument("--resume", action="store_true")
+  parser.add_argument("--out", default=os.devnull)
+  args = parser.parse_args()
+  train(args) if args.mode == "train" else kill_during_save(args)
