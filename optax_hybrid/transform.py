@@ -68,15 +68,17 @@ def _check_range(name: str, value: Any, *, low: float, high: float | None = None
   if not math.isfinite(x):
     raise ValueError(f"hybrid_adamw: `{name}` must be finite, got {x!r}.")
   if x < low or (high is not None and (x >= high if high_open else x > high)):
-    upper = "" if high is None else (f", {high})" if high_open else f", {high}]")
-    accepted = f"[{low}{upper}" if high is not None else f">= {low}"
+    if high is None:
+      accepted = f">= {low}"
+    else:
+      accepted = f"in [{low}, {high}{')' if high_open else ']'}"
     hint = ""
     if high_open and x == high and not isinstance(value, numbers.Real):
       # A beta that rounded up to 1: typically optax.inject_hyperparams casting
       # hyperparameters to the dtype of bf16/fp16 params.
       hint = (" It is a low-precision array: with optax.inject_hyperparams and "
               "bf16/fp16 params pass hyperparam_dtype=jnp.float32.")
-    raise ValueError(f"hybrid_adamw: `{name}` must be in {accepted}, got {x!r}.{hint}")
+    raise ValueError(f"hybrid_adamw: `{name}` must be {accepted}, got {x!r}.{hint}")
 
 
 def _check_learning_rate(learning_rate: Any) -> None:

@@ -1,0 +1,164 @@
+"""One test per row of docs/errors.md: each bad input raises what the table says.
+
+The table is parsed, so a row without a trigger here (or a trigger without a
+row) fails too. Every update error is also checked to leave the state intact,
+even through a jitted step that donates it.
+"""
+
+import os
+import re
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import optax_hybrid
+from optax_hybrid import placement
+
+TABLE = os.path.join(os.path.dirname(__file__), os.pardir, "docs", "errors.md")
+
+
+def table_rows():
+  rows = {}
+  with open(TABLE) as f:
+    for line in f:
+      cells = [c.strip() for c in line.strip().strip("|").split("|")]
+      if len(cells) == 5 and re.fullmatch(r"[a-z0-9]+(-[a-z0-9]+)*", cells[0]) and cells[0] != "id":
+        rows[cells[0]] = (cells[3], cells[4])
+  return rows
+
+
+PARAMS = {"w": jnp.ones((5, 7)), "b": jnp.zeros(7)}
+GRADS = {"w": jnp.full((5, 7), 0.5), "b": jnp.full(7, 0.25)}
+
+
+def hybrid(**kwargs):
+  return optax_hybrid.hybrid_adamw(**{"learning_rate": 1e-3, **kwargs})
+
+
+def update_with(tx, grads=GRADS, params=PARAMS, jit=False):
+  state = tx.init(PARAMS)
+  update = jax.jit(tx.update) if jit else tx.update
+  return update(grads, state, params)
+
+
+def fake_device_without_host():
+  return types.SimpleNamespace(platform="fakegpu", id=0,
+                               addressable_memories=lambda: [types.SimpleNamespace(kind="device")])
+
+
+def tmp_file():
+  import tempfile
+  fd, path = tempfile.mkstemp()
+  os.close(fd)
+  return path
+
+
+def empty_manager():
+  import tempfile
+  return optax_hybrid.checkpoint.manager(tempfile.mkdtemp())
+
+
+def manager_with_step_1():
+  manager = empty_manager()
+  optax_hybrid.checkpoint.save(manager, 1, {"x": jnp.zeros(2)}, wait=True)
+  return manager
+
+
+S = optax_hybrid.warmup_cosine_schedule
+TRIGGERS = {
+    "schedule-total": lambda: S(1.0, total_steps=10, warmup_steps=10),
+    "schedule-warmup": lambda: S(1.0, total_steps=10, warmup_steps=-1),
+    "schedule-peak": lambda: S(-1.0, total_steps=10),
+    "schedule-eta-negative": lambda: S(1.0, total_steps=10, eta_min=-0.5),
+    "schedule-eta-above-peak": lambda: S(1.0, total_steps=10, eta_min=2.0),
+    "schedule-nonfinite": lambda: S(float("inf"), total_steps=10),
+    "schedule-step-type": lambda: S(1.0, total_steps=10.0),
+    "schedule-value-type": lambda: S(1.0, total_steps=10, eta_min="0.1"),
+    "schedule-count-dtype": lambda: S(1.0, total_steps=10)(jnp.asarray(True)),
+    "b1-range": lambda: hybrid(b1=1.0),
+    "b2-range": lambda: hybrid(b2=-0.1),
+    "beta-rounded-to-one": lambda: optax.inject_hyperparams(optax_hybrid.hybrid_adamw)(learning_rate=1e-3).init(
+        jax.tree.map(lambda x: x.astype(jnp.bfloat16), PARAMS)),
+    "eps-range": lambda: hybrid(eps=-1e-8),
+    "eps-nonfinite": lambda: hybrid(eps=float("inf")),
+    "weight-decay-range": lambda: hybrid(weight_decay=-0.1),
+    "lr-range": lambda: hybrid(learning_rate=-1e-3),
+    "lr-nonfinite": lambda: hybrid(learning_rate=float("nan")),
+    "hyperparameter-type": lambda: hybrid(b1=jnp.ones(3)),
+    "flag-type": lambda: hybrid(adamw_mode="yes"),
+    "kernel-unknown": lambda: hybrid(kernel="cuda"),
+    "kernel-pallas": lambda: hybrid(kernel="pallas"),
+    "memory-kind-unknown": lambda: hybrid(state_memory_kind="unpinned_host"),
+    "memory-kind-missing": lambda: placement.check_memory_kind("pinned_host", fake_device_without_host()),
+    "memory-kind-callable": lambda: hybrid(state_memory_kind=lambda path, p: "vram").init({"w": PARAMS["w"]}),
+    "moment-dtype": lambda: hybrid(mu_dtype=jnp.int8),
+    "mask-alias-twice": lambda: hybrid(mask={"w": True, "b": False}, weight_decay_mask={"w": True, "b": False}),
+    "param-dtype": lambda: hybrid().init({"w": PARAMS["w"], "step": jnp.zeros((), jnp.int32)}),
+    "complex-mu-dtype": lambda: hybrid(mu_dtype=jnp.float32).init({"z": jnp.ones(3, jnp.complex64)}),
+    "complex-nu-dtype": lambda: hybrid(nu_dtype=jnp.complex64).init({"z": jnp.ones(3, jnp.complex64)}),
+    "state-type": lambda: hybrid().update(GRADS, optax.adamw(1e-3).init(PARAMS), PARAMS),
+    "grad-tree": lambda: update_with(hybrid(), grads={"w": GRADS["w"]}),
+    "grad-shape": lambda: update_with(hybrid(), grads={**GRADS, "w": jnp.ones((7, 5))}),
+    "grad-dtype": lambda: update_with(hybrid(), grads={**GRADS, "w": jnp.ones((5, 7), jnp.int32)}),
+    "grad-complex": lambda: update_with(hybrid(), grads={**GRADS, "b": jnp.ones(7, jnp.complex64)}),
+    "params-missing": lambda: update_with(hybrid(weight_decay=0.1), params=None),
+    "params-tree": lambda: update_with(hybrid(weight_decay=0.1), params={"w": PARAMS["w"]}),
+    "mask-callable-no-params": lambda: update_with(hybrid(weight_decay=0.1, mask=lambda p: {"w": True, "b": False}),
+                                                   params=None),
+    "mask-tree": lambda: update_with(hybrid(weight_decay=0.1, mask={"w": True, "x": False})),
+    "mask-leaf": lambda: update_with(hybrid(weight_decay=0.1, mask={"w": 1.0, "b": True})),
+    "mask-traced": lambda: update_with(
+        hybrid(weight_decay=0.1, mask=lambda p: jax.tree.map(lambda x: x.sum() > 0, p)), jit=True),
+    "apply-tree": lambda: optax_hybrid.apply_updates(PARAMS, {"w": GRADS["w"]}),
+    "checkpoint-not-dir": lambda: optax_hybrid.checkpoint.manager(tmp_file()),
+    "checkpoint-none": lambda: optax_hybrid.checkpoint.restore(empty_manager(), like={"x": jnp.zeros(2)}),
+    "checkpoint-step": lambda: optax_hybrid.checkpoint.restore(manager_with_step_1(), like={"x": jnp.zeros(2)}, step=7),
+}
+
+ROWS = table_rows()
+
+
+def test_table_and_tests_list_the_same_rows():
+  assert len(ROWS) >= 40
+  assert set(ROWS) == set(TRIGGERS)
+
+
+@pytest.mark.parametrize("row", sorted(TRIGGERS))
+def test_row(row):
+  if row.startswith("checkpoint"):
+    pytest.importorskip("orbax.checkpoint")
+  exception_name, message = ROWS[row]
+  with pytest.raises(Exception) as info:
+    TRIGGERS[row]()
+  assert type(info.value).__name__ == exception_name, info.value
+  assert message.strip("`").replace("`", "") in str(info.value).replace("`", ""), (message, str(info.value))
+
+
+@pytest.mark.parametrize("grads", [
+    {"w": GRADS["w"]},
+    {**GRADS, "w": jnp.ones((7, 5))},
+    {**GRADS, "b": jnp.ones(7, jnp.complex64)},
+])
+def test_update_errors_leave_donated_state_intact(grads):
+  params = jax.device_put(jax.tree.map(jnp.copy, PARAMS), jax.devices()[0])
+  tx = hybrid(weight_decay=0.1, state_memory_kind="pinned_host")
+  state = tx.init(params)
+  _, state = tx.update(GRADS, state, params)
+  before = jax.device_get(state)
+
+  def step(p, s, g):
+    u, s = tx.update(g, s, p)
+    return optax_hybrid.apply_updates(p, u), s
+
+  step = jax.jit(step, donate_argnums=(0, 1))
+  with pytest.raises((ValueError, TypeError)):
+    step(params, state, grads)
+  # Nothing was consumed or changed: the same state still steps correctly.
+  assert not any(x.is_deleted() for x in jax.tree.leaves((params, state)))
+  jax.tree.map(np.testing.assert_array_equal, jax.device_get(state), before)
+  new_params, new_state = step(params, state, GRADS)
+  assert int(new_state.count) == 2
