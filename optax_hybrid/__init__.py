@@ -6,7 +6,7 @@ Public API:
 * :func:`hybrid_adamw`: the AdamW transform (HybridAdam / torch semantics)
   whose moments can live in ``pinned_host`` memory.
 * :func:`scale_by_hybrid_adam`: the same step without the learning rate.
-* :class:`HybridAdamState`: its state (``count``, ``mu``, ``nu``).
+* :class:`HybridAdamState`: its state (``count``, ``mu``, ``nu``, ``skipped``).
 * :func:`apply_updates`: ``optax.apply_updates`` that is correct for params in
   any memory kind.
 * :func:`host_arithmetic_outside_host_compute`: finds device arithmetic on
