@@ -2,6 +2,11 @@
 
 Every kernel has the signature of :func:`reference.update_leaves` and is tested
 against it. ``"xla"`` is the reference rule itself, one fused XLA loop per leaf.
+
+The contract for any other kernel: it must honour every field of
+:class:`AdamScalars` (``step_ok`` included), and hand the leaves it cannot take
+(complex dtypes, for example) to :func:`reference.update_leaves` so that every
+leaf is always updated by the same rule.
 """
 
 from __future__ import annotations
