@@ -25,6 +25,7 @@ from jax.sharding import SingleDeviceSharding
 
 from optax_hybrid import _compat
 from optax_hybrid._compat import DEVICE, HOST
+from optax_hybrid.kernels import reference
 
 DEVICE_KIND = "device"
 HOST_KIND = "pinned_host"
@@ -214,12 +215,14 @@ def run_placed_update(
     scalars: Any,
     *,
     adamw_mode: bool,
+    write_params: bool = False,
 ) -> tuple[list, list, list]:
   """Runs ``kernel`` once on the device leaves and once, in host compute, on the host leaves.
 
   Each leaf is computed where its parameter lives (where its gradient lives
   when ``params`` is not given). Moments keep the memory space they came in;
-  updates are returned in their parameter's space.
+  updates (new params, with ``write_params``) are returned in their
+  parameter's space.
   """
   n = len(grads)
   compute_spaces = [
@@ -234,8 +237,8 @@ def run_placed_update(
     if not idx:
       continue
     pick = lambda xs: [xs[i] for i in idx]
-    # Parameters without decay are not read, so they are not moved either.
-    group_params = [params[i] if decays[i] else None for i in idx]
+    # Parameters that are not read (no decay, no fused apply) are not moved either.
+    group_params = [params[i] if (decays[i] or write_params) else None for i in idx]
     operands = (
         _compat.move_all(pick(grads), space),
         _compat.move_all(pick(mus), space),
@@ -244,8 +247,13 @@ def run_placed_update(
     )
     group_decays, group_dtypes = pick(decays), pick(update_dtypes)
 
-    def step(g, m, v, p, s, group_decays=group_decays, group_dtypes=group_dtypes):
-      return kernel(g, m, v, p, group_decays, group_dtypes, s, adamw_mode=adamw_mode)
+    # Host compute runs the XLA rule: a custom call there is typed as device
+    # memory by JAX, and XLA compiles host compute for the host CPU anyway.
+    group_kernel = kernel if space == DEVICE else reference.update_leaves
+
+    def step(g, m, v, p, s, group_decays=group_decays, group_dtypes=group_dtypes, group_kernel=group_kernel):
+      return group_kernel(g, m, v, p, group_decays, group_dtypes, s, adamw_mode=adamw_mode,
+                          write_params=write_params)
 
     if space == HOST:
       host_scalars = type(scalars)(*(None if x is None else _compat.move(x, HOST) for x in scalars))

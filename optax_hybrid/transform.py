@@ -36,6 +36,36 @@ class HybridAdamState(NamedTuple):
   skipped: jax.Array
 
 
+class HybridAdamW(optax.GradientTransformationExtraArgs):
+  """An Optax gradient transformation with one more method: the fused, one-pass step.
+
+  ``init`` and ``update`` follow the Optax contract. ``update_and_apply``
+  returns the new params directly: each leaf's parameter is read once and
+  written once, in place where the buffers are donated, instead of returning
+  an update that a second pass adds.
+  """
+
+  __slots__ = ()
+
+  def update_and_apply(self, grads: optax.Updates, state: "HybridAdamState",
+                       params: optax.Params) -> tuple[optax.Params, "HybridAdamState"]:
+    r"""One fused step: returns ``(new_params, new_state)``.
+
+    Equal to ``u, s = tx.update(grads, state, params); optax_hybrid.apply_updates(params, u)``
+    except that :math:`p + u` is added in float32 and rounded once to the
+    param's dtype. Params in host memory are updated on the host.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, optax_hybrid
+      >>> tx = optax_hybrid.hybrid_adamw(1e-3, weight_decay=0.1)
+      >>> params = {"w": jnp.ones(3)}
+      >>> state = tx.init(params)
+      >>> step = jax.jit(tx.update_and_apply, donate_argnums=(1, 2))
+      >>> params, state = step({"w": jnp.ones(3)}, state, params)
+    """
+    return self.update.update_and_apply(grads, state, params)
+
+
 # ---------------------------------------------------------------------------
 # Argument validation
 # ---------------------------------------------------------------------------
@@ -225,8 +255,7 @@ def _hybrid_adam(
     count = placement.step_counter_like(state_leaves)
     return HybridAdamState(count=count, mu=mu, nu=nu, skipped=placement.step_counter_like(state_leaves))
 
-  def update_fn(updates, state, params=None, **extra_args):
-    del extra_args
+  def step(updates, state, params, write_params):
     if not isinstance(state, HybridAdamState):
       raise TypeError(
           "hybrid_adamw: `state` must be the HybridAdamState made by this "
@@ -269,20 +298,24 @@ def _hybrid_adam(
             "hybrid_adamw: `params` must have the tree structure of the "
             f"gradients; gradients: {treedef}, params: {jax.tree.structure(params)}."
         ) from e
-    elif any(decays):
+    elif any(decays) or write_params:
       raise ValueError(
           "hybrid_adamw: weight_decay is non-zero, so `params` is required: call "
-          "tx.update(grads, state, params)."
+          "tx.update(grads, state, params)." if not write_params else
+          "hybrid_adamw: update_and_apply needs `params`."
       )
 
     count = state.count
     lr = learning_rate(count) if callable(learning_rate) else learning_rate
     step_ok = placement.all_finite(grad_leaves) if skip_nonfinite else None
     scalars = step_scalars(count, lr, b1, b2, eps, weight_decay, bias_correction, step_ok)
-    update_dtypes = [
-        jnp.result_type(g.dtype, m.dtype, v.dtype)
-        for g, m, v in zip(grad_leaves, mu_leaves, nu_leaves)
-    ]
+    if write_params:
+      out_dtypes = [jnp.asarray(p).dtype for p in param_leaves]
+    else:
+      out_dtypes = [
+          jnp.result_type(g.dtype, m.dtype, v.dtype)
+          for g, m, v in zip(grad_leaves, mu_leaves, nu_leaves)
+      ]
     new_updates, new_mu, new_nu = placement.run_placed_update(
         run_kernel,
         grad_leaves,
@@ -290,9 +323,10 @@ def _hybrid_adam(
         nu_leaves,
         param_leaves,
         decays,
-        update_dtypes,
+        out_dtypes,
         scalars,
         adamw_mode=adamw_mode,
+        write_params=write_params,
     )
     new_count, skipped = numerics.safe_increment(count), state.skipped
     if step_ok is not None:
@@ -306,7 +340,15 @@ def _hybrid_adam(
     )
     return jax.tree.unflatten(treedef, new_updates), new_state
 
-  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+  def update_fn(updates, state, params=None, **extra_args):
+    del extra_args
+    return step(updates, state, params, write_params=False)
+
+  def update_and_apply(grads, state, params):
+    return step(grads, state, params, write_params=True)
+
+  update_fn.update_and_apply = update_and_apply
+  return HybridAdamW(init_fn, update_fn)
 
 
 def scale_by_hybrid_adam(

@@ -1,21 +1,33 @@
-"""Tests for optax_hybrid.kernels: kernel selection and the reference rule on one leaf."""
+"""Tests for optax_hybrid.kernels: selection, the reference rule, and the native CPU kernel against it."""
 
 import itertools
+import shutil
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from optax_hybrid import kernels
-from optax_hybrid.kernels import reference
+from optax_hybrid.kernels import native_cpu, reference
+
+needs_native = pytest.mark.skipif(not native_cpu.available(), reason=f"native kernel: {native_cpu.why_unavailable()}")
 
 
-def test_auto_and_xla_resolve_to_the_reference_rule():
-  assert kernels.resolve_kernel("auto") is reference.update_leaves
+def test_native_kernel_is_built_where_a_compiler_exists():
+  if shutil.which("c++") or shutil.which("g++"):
+    assert native_cpu.available(), native_cpu.why_unavailable()
+
+
+def test_kernel_selection():
   assert kernels.resolve_kernel("xla") is reference.update_leaves
+  single = jax.device_count() == 1
+  expected = native_cpu.update_leaves if (native_cpu.available() and single) else reference.update_leaves
+  assert kernels.resolve_kernel("auto") is expected
+  assert kernels.resolve_kernel("native") is expected
   with pytest.raises(NotImplementedError, match="kernel='pallas'"):
     kernels.resolve_kernel("pallas")
-  with pytest.raises(ValueError, match="'auto', 'xla', 'pallas'"):
+  with pytest.raises(ValueError, match="'auto', 'xla', 'native', 'pallas'"):
     kernels.resolve_kernel("triton")
 
 
@@ -48,3 +60,95 @@ def test_negative_learning_rate_gives_the_raw_direction():
   u, _, _ = reference.adam_leaf_update(jnp.array([3.0, -2.0]), jnp.zeros(2), jnp.zeros(2), None, s,
                                        adamw_mode=True, decay=False, update_dtype=jnp.float32)
   np.testing.assert_allclose(np.asarray(u), [1.0, -1.0], rtol=1e-6)
+
+
+# --- the native kernel against the reference ---------------------------------
+
+# (param/grad dtype, moment dtype): every combination the C++ has a loop for.
+COMBOS = [(jnp.float32, jnp.float32), (jnp.bfloat16, jnp.float32), (jnp.bfloat16, jnp.bfloat16),
+          (jnp.float16, jnp.float32), (jnp.float16, jnp.float16)]
+SIZES = [(), (0,), (1,), (7,), (3, 5, 7), (70_001,)]  # the last spans two work chunks
+
+
+def make_leaves(pdtype, mdtype, seed=0):
+  rng = np.random.default_rng(seed)
+  g = [jnp.asarray(rng.normal(size=s), pdtype) for s in SIZES]
+  m = [jnp.asarray(rng.normal(size=s) * 0.1, mdtype) for s in SIZES]
+  v = [jnp.asarray(np.abs(rng.normal(size=s)) * 0.01, mdtype) for s in SIZES]
+  p = [jnp.asarray(rng.normal(size=s), pdtype) for s in SIZES]
+  return g, m, v, p
+
+
+def ulps(dtype):
+  return {np.dtype(jnp.float32): 2e-6, np.dtype(jnp.bfloat16): 2**-7, np.dtype(jnp.float16): 2**-10}[np.dtype(dtype)]
+
+
+def run_both(pdtype, mdtype, *, adamw_mode, write_params, step_ok=None, bias_correction=True):
+  g, m, v, p = make_leaves(pdtype, mdtype)
+  decays = [i % 2 == 0 for i in range(len(SIZES))]
+  if write_params:
+    out_dtypes = [x.dtype for x in p]
+  else:
+    out_dtypes = [jnp.result_type(a.dtype, b.dtype) for a, b in zip(g, m)]
+  ok = None if step_ok is None else jnp.asarray(step_ok)
+  s = reference.step_scalars(jnp.int32(4), 3e-2, 0.9, 0.99, 1e-6, 0.1, bias_correction, ok)
+
+  def run(kernel):
+    return jax.jit(lambda g, m, v, p: kernel(g, m, v, p, decays, out_dtypes, s, adamw_mode=adamw_mode,
+                                             write_params=write_params))(g, m, v, p)
+
+  return run(native_cpu.update_leaves), run(reference.update_leaves), (g, m, v, p)
+
+
+@needs_native
+@pytest.mark.parametrize("write_params", [False, True])
+@pytest.mark.parametrize("adamw_mode", [True, False])
+@pytest.mark.parametrize("pdtype,mdtype", COMBOS)
+def test_native_equals_reference(pdtype, mdtype, adamw_mode, write_params):
+  native, ref, _ = run_both(pdtype, mdtype, adamw_mode=adamw_mode, write_params=write_params)
+  for got, want in zip(jax.tree.leaves(native), jax.tree.leaves(ref)):
+    assert got.dtype == want.dtype and got.shape == want.shape
+    # Same float32 arithmetic; at most one rounding step apart in the stored dtype.
+    np.testing.assert_allclose(np.asarray(got, np.float64), np.asarray(want, np.float64),
+                               rtol=ulps(got.dtype), atol=1e-7)
+
+
+@needs_native
+@pytest.mark.parametrize("write_params", [False, True])
+def test_native_skips_and_runs_without_bias_correction(write_params):
+  native, ref, (g, m, v, p) = run_both(jnp.bfloat16, jnp.float32, adamw_mode=True, write_params=write_params,
+                                       step_ok=False)
+  for got, want in zip(jax.tree.leaves(native), jax.tree.leaves(ref)):
+    np.testing.assert_array_equal(np.asarray(got, np.float64), np.asarray(want, np.float64))
+  # A skipped step: moments as they were, params unchanged (or a zero update).
+  for got, before in zip(native[1], m):
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(before))
+  if write_params:
+    for got, before in zip(native[0], p):
+      np.testing.assert_array_equal(np.asarray(got), np.asarray(before))
+  native, ref, _ = run_both(jnp.float32, jnp.float32, adamw_mode=False, write_params=write_params,
+                            bias_correction=False)
+  for got, want in zip(jax.tree.leaves(native), jax.tree.leaves(ref)):
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-6, atol=1e-7)
+
+
+@needs_native
+def test_one_custom_call_for_many_leaves_and_fallback_for_the_rest():
+  rng = np.random.default_rng(1)
+  n = 64
+  g = [jnp.asarray(rng.normal(size=(i + 1,)), jnp.float32) for i in range(n)]
+  # Leaves the C++ has no loop for: complex, and float64-free mixed dtypes.
+  g += [jnp.asarray(rng.normal(size=3) + 1j, jnp.complex64), jnp.asarray(rng.normal(size=4), jnp.float16)]
+  m = [jnp.zeros_like(x) for x in g[:-1]] + [jnp.zeros(4, jnp.bfloat16)]
+  v = [jnp.zeros(x.shape, jnp.finfo(x.dtype).dtype) for x in g[:-1]] + [jnp.zeros(4, jnp.bfloat16)]
+  p = [x + 1 for x in g]
+  decays = [True] * len(g)
+  dtypes = [jnp.result_type(a.dtype, b.dtype, c.dtype) for a, b, c in zip(g, m, v)]
+  s = reference.step_scalars(jnp.int32(0), 1e-2, 0.9, 0.999, 1e-8, 0.1, True)
+  fn = lambda kernel: (lambda g, m, v, p: kernel(g, m, v, p, decays, dtypes, s, adamw_mode=True))
+  lowered = jax.jit(fn(native_cpu.update_leaves)).lower(g, m, v, p).as_text()
+  assert lowered.count(f"custom_call @{native_cpu.TARGET}(") == 1  # not one call per leaf
+  got = jax.jit(fn(native_cpu.update_leaves))(g, m, v, p)
+  want = jax.jit(fn(reference.update_leaves))(g, m, v, p)
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-6, atol=1e-8)

@@ -2,6 +2,8 @@
 
 Every kernel has the signature of :func:`reference.update_leaves` and is tested
 against it. ``"xla"`` is the reference rule itself, one fused XLA loop per leaf.
+``"native"`` is the compiled CPU kernel (:mod:`native_cpu`), one custom call
+for all CPU-resident leaves; ``"auto"`` picks it where it is built.
 
 The contract for any other kernel: it must honour every field of
 :class:`AdamScalars` (``step_ok`` included), and hand the leaves it cannot take
@@ -13,12 +15,12 @@ from __future__ import annotations
 
 from typing import Callable
 
-from optax_hybrid.kernels import reference
+import jax
+
+from optax_hybrid.kernels import native_cpu, reference
 from optax_hybrid.kernels.reference import AdamScalars, step_scalars
 
-KERNEL_NAMES = ("auto", "xla", "pallas")
-
-_IMPLEMENTED: dict[str, Callable] = {"xla": reference.update_leaves}
+KERNEL_NAMES = ("auto", "xla", "native", "pallas")
 
 
 def resolve_kernel(kernel: str) -> Callable:
@@ -39,9 +41,19 @@ def resolve_kernel(kernel: str) -> Callable:
         "GPU kernel is a separate piece of work); use kernel='xla' or "
         "kernel='auto'."
     )
-  if kernel == "auto":
-    kernel = "xla"
-  return _IMPLEMENTED[kernel]
+  if kernel == "xla":
+    return reference.update_leaves
+  # "native" and "auto": the compiled CPU kernel where it is built. It only
+  # runs for CPU-resident leaves; elsewhere it hands over to the XLA rule. The
+  # custom call has no sharding rule yet, so XLA would gather sharded operands
+  # onto every device: with several devices the XLA rule is used instead.
+  if jax.device_count() > 1:
+    return reference.update_leaves
+  if native_cpu.available():
+    return native_cpu.update_leaves
+  if kernel == "native" or jax.default_backend() == "cpu":
+    native_cpu.warn_fallback_once()
+  return reference.update_leaves
 
 
 __all__ = ["AdamScalars", "KERNEL_NAMES", "reference", "resolve_kernel", "step_scalars"]

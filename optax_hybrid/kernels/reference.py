@@ -92,17 +92,23 @@ def adam_leaf_update(
     adamw_mode: bool,
     decay: bool,
     update_dtype,
+    write_params: bool = False,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
   """One leaf's step. Returns ``(update, new_mu, new_nu)`` in their storage dtypes.
 
   ``decay`` says whether this leaf takes weight decay (the mask); ``param`` may
   be ``None`` only when it does not. Complex leaves follow ``optax.adamw``: the
   second moment accumulates :math:`|g|^2` and stays real.
+
+  With ``write_params=True`` the first result is the new parameter
+  ``p + update``, added in float32 and rounded once to the param's dtype
+  (``update_dtype`` is then the param's dtype): the fused apply.
   """
   dtype = compute_dtype(grad.dtype)
   g = grad.astype(dtype)
-  if decay:
+  if decay or write_params:
     p = param.astype(dtype)
+  if decay:
     if not adamw_mode:
       g = g + s.weight_decay * p
   m = s.b1 * mu.astype(dtype) + (1.0 - s.b1) * g
@@ -112,12 +118,18 @@ def adam_leaf_update(
   update = -(s.learning_rate / s.bias_correction1) * (m / denom)
   if decay and adamw_mode:
     update = update - (s.learning_rate * s.weight_decay) * p
+  if write_params:
+    first, unchanged = (p + update).astype(update_dtype), param
+  else:
+    first, unchanged = update.astype(update_dtype), None
   if s.step_ok is not None:
     # A scalar predicate selects without broadcasting, which host compute needs.
-    update = lax.select_n(s.step_ok, _compat.zeros_like(update), update)
+    if unchanged is None:
+      unchanged = _compat.zeros_like(first)
+    first = lax.select_n(s.step_ok, unchanged, first)
     m = lax.select_n(s.step_ok, mu.astype(m.dtype), m)
     v = lax.select_n(s.step_ok, nu.astype(v.dtype), v)
-  return update.astype(update_dtype), m.astype(mu.dtype), v.astype(nu.dtype)
+  return first, m.astype(mu.dtype), v.astype(nu.dtype)
 
 
 def update_leaves(
@@ -130,10 +142,16 @@ def update_leaves(
     s: AdamScalars,
     *,
     adamw_mode: bool,
+    write_params: bool = False,
 ) -> tuple[list, list, list]:
-  """Applies :func:`adam_leaf_update` leaf by leaf; XLA fuses each leaf's step."""
+  """Applies :func:`adam_leaf_update` leaf by leaf; XLA fuses each leaf's step.
+
+  Returns ``(updates, new_mus, new_nus)``, or ``(new_params, new_mus,
+  new_nus)`` with ``write_params=True``.
+  """
   outs = [
-      adam_leaf_update(g, m, v, p, s, adamw_mode=adamw_mode, decay=d, update_dtype=dt)
+      adam_leaf_update(g, m, v, p, s, adamw_mode=adamw_mode, decay=d, update_dtype=dt,
+                       write_params=write_params)
       for g, m, v, p, d, dt in zip(grads, mus, nus, params, decays, update_dtypes)
   ]
   if not outs:

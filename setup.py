@@ -1,0 +1,37 @@
+"""Builds the native CPU kernel (optax_hybrid/kernels/native_cpu.cc) at install time.
+
+Everything else is declared in pyproject.toml. The kernel is an XLA FFI handler
+compiled against the headers that jaxlib ships (``jax.ffi.include_dir()``). If it
+cannot be built (no C++ compiler, an unsupported platform), installation still
+succeeds: the package then uses its XLA path and says so once at run time.
+"""
+
+import sys
+
+from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
+
+
+class BuildNativeKernel(build_ext):
+
+  def build_extension(self, ext):
+    try:
+      import jax.ffi
+
+      ext.include_dirs.append(jax.ffi.include_dir())
+      super().build_extension(ext)
+    except Exception as e:  # noqa: BLE001 - any failure means "no native kernel", never "no install"
+      print(f"optax_hybrid: the native CPU kernel was not built ({e}); the XLA path will be used.",
+            file=sys.stderr)
+
+
+native_kernel = Extension(
+    "optax_hybrid.kernels._native_cpu",
+    sources=["optax_hybrid/kernels/native_cpu.cc"],
+    language="c++",
+    # Built where it runs, so it may use every vector unit of this CPU.
+    extra_compile_args=["-O3", "-march=native", "-std=c++17", "-fno-math-errno", "-w"],
+    optional=True,
+)
+
+setup(ext_modules=[native_kernel], cmdclass={"build_ext": BuildNativeKernel})
