@@ -37,33 +37,36 @@ class HybridAdamState(NamedTuple):
 
 
 class HybridAdamW(optax.GradientTransformationExtraArgs):
-  """An Optax gradient transformation with one more method: the fused, one-pass step.
+  """An Optax gradient transformation with one more method: ``step``, the fused one-pass step.
 
-  ``init`` and ``update`` follow the Optax contract. ``update_and_apply``
-  returns the new params directly: each leaf's parameter is read once and
-  written once, in place where the buffers are donated, instead of returning
-  an update that a second pass adds.
+  ``init`` and ``update`` follow the Optax contract. ``step`` returns the new
+  params directly: each leaf's parameter is read once and written once (in
+  place when the buffers are donated), instead of returning an update that a
+  second pass adds.
   """
 
   __slots__ = ()
 
-  def update_and_apply(self, grads: optax.Updates, state: "HybridAdamState",
-                       params: optax.Params) -> tuple[optax.Params, "HybridAdamState"]:
-    r"""One fused step: returns ``(new_params, new_state)``.
+  def step(self, params: optax.Params, state: "HybridAdamState",
+           grads: optax.Updates) -> tuple[optax.Params, "HybridAdamState"]:
+    r"""One fused optimizer step: ``(params, state, grads) -> (new_params, new_state)``.
 
     Equal to ``u, s = tx.update(grads, state, params); optax_hybrid.apply_updates(params, u)``
     except that :math:`p + u` is added in float32 and rounded once to the
-    param's dtype. Params in host memory are updated on the host.
+    param's dtype. Params in host memory are updated on the host. Arguments
+    come in the order of the results, so ``jax.jit(tx.step,
+    donate_argnums=(0, 1))`` pairs every donated buffer with its own result
+    (JAX pairs donations with outputs by shape, in order).
 
     Example:
       >>> import jax, jax.numpy as jnp, optax_hybrid
       >>> tx = optax_hybrid.hybrid_adamw(1e-3, weight_decay=0.1)
       >>> params = {"w": jnp.ones(3)}
       >>> state = tx.init(params)
-      >>> step = jax.jit(tx.update_and_apply, donate_argnums=(1, 2))
-      >>> params, state = step({"w": jnp.ones(3)}, state, params)
+      >>> step = jax.jit(tx.step, donate_argnums=(0, 1))
+      >>> params, state = step(params, state, {"w": jnp.ones(3)})
     """
-    return self.update.update_and_apply(grads, state, params)
+    return self.update.fused_step(params, state, grads)
 
 
 # ---------------------------------------------------------------------------
@@ -302,7 +305,7 @@ def _hybrid_adam(
       raise ValueError(
           "hybrid_adamw: weight_decay is non-zero, so `params` is required: call "
           "tx.update(grads, state, params)." if not write_params else
-          "hybrid_adamw: update_and_apply needs `params`."
+          "hybrid_adamw: tx.step(params, state, grads) needs `params`."
       )
 
     count = state.count
@@ -344,10 +347,10 @@ def _hybrid_adam(
     del extra_args
     return step(updates, state, params, write_params=False)
 
-  def update_and_apply(grads, state, params):
+  def fused_step(params, state, grads):
     return step(grads, state, params, write_params=True)
 
-  update_fn.update_and_apply = update_and_apply
+  update_fn.fused_step = fused_step
   return HybridAdamW(init_fn, update_fn)
 
 

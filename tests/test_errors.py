@@ -113,6 +113,7 @@ TRIGGERS = {
     "mask-leaf": lambda: update_with(hybrid(weight_decay=0.1, mask={"w": 1.0, "b": True})),
     "mask-traced": lambda: update_with(
         hybrid(weight_decay=0.1, mask=lambda p: jax.tree.map(lambda x: x.sum() > 0, p)), jit=True),
+    "fused-needs-params": lambda: hybrid().step(None, hybrid().init(PARAMS), GRADS),
     "apply-tree": lambda: optax_hybrid.apply_updates(PARAMS, {"w": GRADS["w"]}),
     "checkpoint-not-dir": lambda: optax_hybrid.checkpoint.manager(tmp_file()),
     "checkpoint-none": lambda: optax_hybrid.checkpoint.restore(empty_manager(), like={"x": jnp.zeros(2)}),

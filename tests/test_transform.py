@@ -368,3 +368,55 @@ def test_complex_params_match_optax_adamw():
   # |g|^2 from a complex product: a few more float32 roundings than the real case.
   np.testing.assert_allclose(np.asarray(s_ours.nu["z"]), np.asarray(s_theirs[0].nu["z"]).real, rtol=3e-5)
   assert np.abs(np.asarray(s_theirs[0].nu["z"]).imag).max() == 0
+
+
+# --- the fused one-pass step ------------------------------------------------
+
+@pytest.mark.parametrize("kernel", ["xla", "auto"])
+@pytest.mark.parametrize("tier", ["device", "pinned_host", "host_params"])
+def test_step_equals_update_then_apply(kernel, tier):
+  params = jax.device_put(make_params(), jax.devices()[0])
+  if tier == "host_params":
+    params = jax.device_put(params, jax.memory.Space.Host)
+  grads = make_grads(6)
+  tx = optax_hybrid.hybrid_adamw(schedule(), weight_decay=0.1, kernel=kernel, skip_nonfinite=True,
+                                 state_memory_kind="pinned_host" if tier == "pinned_host" else None)
+  assert isinstance(tx, optax.GradientTransformationExtraArgs)
+  fused = jax.jit(tx.step, donate_argnums=(0, 1))
+  p_fused, s_fused = jax.tree.map(jnp.copy, params), tx.init(params)
+  for g in _poison(grads, 2, "b", np.nan):
+    p_fused, s_fused = fused(p_fused, s_fused, g)
+  assert int(s_fused.count) == 5 and int(s_fused.skipped) == 1
+  clean = [g for i, g in enumerate(grads) if i != 2]
+  p_two, _ = run(tx, params, clean)
+  chex.assert_trees_all_close(jax.device_get(p_fused), jax.device_get(p_two[-1]), rtol=1e-6, atol=1e-7)
+  expected_kind = "device" if tier == "device" else "pinned_host"
+  assert {x.sharding.memory_kind for x in jax.tree.leaves(s_fused.mu)} == {expected_kind}
+  if tier == "host_params":
+    assert {x.sharding.memory_kind for x in jax.tree.leaves(p_fused)} == {"pinned_host"}
+
+
+def test_step_rounds_bf16_params_once():
+  params = make_params(dtype=jnp.bfloat16)
+  grads = [{k: jnp.asarray(v, jnp.bfloat16) for k, v in g.items()} for g in make_grads(6)]
+  tx = optax_hybrid.hybrid_adamw(1e-2, weight_decay=0.1, mu_dtype=jnp.float32, nu_dtype=jnp.float32)
+  p, s = params, tx.init(params)
+  ref = {k: np.asarray(v, np.float64) for k, v in params.items()}
+  m = {k: np.zeros_like(v) for k, v in ref.items()}
+  v = {k: np.zeros_like(x) for k, x in ref.items()}
+  step = jax.jit(tx.step)
+  for t, g in enumerate(grads, start=1):
+    p, s = step(p, s, g)
+    for k in ref:
+      gk = np.asarray(g[k], np.float64)
+      m[k] = 0.9 * m[k] + 0.1 * gk
+      v[k] = 0.999 * v[k] + 0.001 * gk * gk
+      u = -1e-2 * 0.1 * ref[k] - 1e-2 / (1 - 0.9**t) * m[k] / (np.sqrt(v[k]) / np.sqrt(1 - 0.999**t) + 1e-8)
+      ref[k] = np.asarray((ref[k] + u).astype(ml_dtypes.bfloat16), np.float64)
+    for k in ref:
+      assert p[k].dtype == jnp.bfloat16
+      # One rounding of p + u (in float32) against one rounding in float64: equal
+      # but for rare ties at the last bit.
+      mismatch = np.mean(np.asarray(p[k], np.float64) != ref[k])
+      assert mismatch < 0.02, (k, t, mismatch)
+      np.testing.assert_allclose(np.asarray(p[k], np.float64), ref[k], rtol=2**-8)
