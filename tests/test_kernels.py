@@ -23,8 +23,10 @@ def test_kernel_selection():
   assert kernels.resolve_kernel("xla") is reference.update_leaves
   single = jax.device_count() == 1
   expected = native_cpu.update_leaves if (native_cpu.available() and single) else reference.update_leaves
-  assert kernels.resolve_kernel("auto") is expected
+  assert kernels.resolve_kernel("auto", fused=True) is expected
+  assert kernels.resolve_kernel("auto", fused=False) is reference.update_leaves  # measured faster
   assert kernels.resolve_kernel("native") is expected
+  assert kernels.resolve_kernel("native", fused=True) is expected
   with pytest.raises(NotImplementedError, match="kernel='pallas'"):
     kernels.resolve_kernel("pallas")
   with pytest.raises(ValueError, match="'auto', 'xla', 'native', 'pallas'"):

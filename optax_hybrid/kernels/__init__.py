@@ -3,7 +3,8 @@
 Every kernel has the signature of :func:`reference.update_leaves` and is tested
 against it. ``"xla"`` is the reference rule itself, one fused XLA loop per leaf.
 ``"native"`` is the compiled CPU kernel (:mod:`native_cpu`), one custom call
-for all CPU-resident leaves; ``"auto"`` picks it where it is built.
+for all CPU-resident leaves; ``"auto"`` picks it for the fused ``tx.step``
+where it is built (see :func:`resolve_kernel`).
 
 The contract for any other kernel: it must honour every field of
 :class:`AdamScalars` (``step_ok`` included), and hand the leaves it cannot take
@@ -23,8 +24,15 @@ from optax_hybrid.kernels.reference import AdamScalars, step_scalars
 KERNEL_NAMES = ("auto", "xla", "native", "pallas")
 
 
-def resolve_kernel(kernel: str) -> Callable:
+def resolve_kernel(kernel: str, *, fused: bool = False) -> Callable:
   """Maps a ``kernel=`` argument to the function that runs the step.
+
+  ``fused`` says which path asks: ``tx.step`` (new params written in place) or
+  the Optax ``update`` contract (an update returned). ``"auto"`` picks what
+  measures fastest on a CPU (``benchmarks/step.py``): the native kernel for the
+  fused step; the XLA rule for ``update``, where XLA fuses the caller's
+  ``p + u`` into the step and the custom call would write a full-size update
+  buffer instead.
 
   Raises:
     ValueError: for an unknown name.
@@ -41,12 +49,12 @@ def resolve_kernel(kernel: str) -> Callable:
         "GPU kernel is a separate piece of work); use kernel='xla' or "
         "kernel='auto'."
     )
-  if kernel == "xla":
+  if kernel == "xla" or (kernel == "auto" and not fused):
     return reference.update_leaves
-  # "native" and "auto": the compiled CPU kernel where it is built. It only
-  # runs for CPU-resident leaves; elsewhere it hands over to the XLA rule. The
-  # custom call has no sharding rule yet, so XLA would gather sharded operands
-  # onto every device: with several devices the XLA rule is used instead.
+  # The compiled CPU kernel where it is built. It only runs for CPU-resident
+  # leaves; elsewhere it hands over to the XLA rule. The custom call has no
+  # sharding rule yet, so XLA would gather sharded operands onto every device:
+  # with several devices the XLA rule is used instead.
   if jax.device_count() > 1:
     return reference.update_leaves
   if native_cpu.available():

@@ -1,0 +1,194 @@
+"""AdamW step time on this machine: our kernels against optax.adamw and torch's fused AdamW.
+
+    python benchmarks/step.py [--scale 1.0] [--reps 9] [--trees one,many,gpt2]
+
+Trees: one leaf of 16M params; 1024 leaves of 16K; the GPT-2-small shapes
+(124M params, 148 leaves; --scale shrinks every dimension's product by that
+factor). Every variant is a donated, jitted training-loop step (update and
+apply), warmed up, then timed in interleaved rounds; medians are reported.
+
+Columns: median ms; params per second; GB/s counting the 28 bytes per param an
+fp32 AdamW step must move (read p, g, m, v; write p, m, v); that as a fraction
+of the memory bandwidth measured in the same run (a donated in-place scale of a
+256 MB buffer, counting its 8 bytes per element); and the ratio of optax's and
+torch's times to ours (> 1: we are faster). Figures, not a test.
+"""
+
+from __future__ import annotations
+
+import os
+
+# torch's OpenMP threads otherwise spin for a while after each step, stealing
+# the cores from whichever variant runs next in the interleaved rounds.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import argparse
+import math
+import platform
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir))
+import optax_hybrid  # noqa: E402
+from optax_hybrid.kernels import native_cpu  # noqa: E402
+
+BYTES_PER_PARAM = 28
+LR, WD = 1e-3, 0.1
+
+
+def gpt2_small_shapes(scale: float) -> dict[str, tuple[int, ...]]:
+  d, vocab, ctx, layers = 768, 50257, 1024, 12
+  shapes = {"wte": (vocab, d), "wpe": (ctx, d), "ln_f.scale": (d,), "ln_f.bias": (d,)}
+  for i in range(layers):
+    for name, shape in {
+        "ln_1.scale": (d,), "ln_1.bias": (d,), "attn.c_attn.w": (d, 3 * d), "attn.c_attn.b": (3 * d,),
+        "attn.c_proj.w": (d, d), "attn.c_proj.b": (d,), "ln_2.scale": (d,), "ln_2.bias": (d,),
+        "mlp.c_fc.w": (d, 4 * d), "mlp.c_fc.b": (4 * d,), "mlp.c_proj.w": (4 * d, d), "mlp.c_proj.b": (d,),
+    }.items():
+      shapes[f"h{i}.{name}"] = shape
+  if scale != 1.0:
+    shapes = {k: (max(1, int(round(math.prod(s) * scale))),) for k, s in shapes.items()}
+  return shapes
+
+
+def trees(names, scale):
+  out = {}
+  if "one" in names:
+    out["1 leaf x 16M"] = {"w": (max(1, int(16 * 2**20 * scale)),)}
+  if "many" in names:
+    out["1024 leaves x 16K"] = {f"l{i:04d}": (max(1, int(16384 * scale)),) for i in range(1024)}
+  if "gpt2" in names:
+    out["GPT-2 small shapes"] = gpt2_small_shapes(scale)
+  return out
+
+
+class JaxVariant:
+
+  def __init__(self, name, shapes, make_step, make_state):
+    self.name = name
+    device = jax.devices()[0]
+    self.params = jax.device_put({k: jnp.full(s, 0.5, jnp.float32) for k, s in shapes.items()}, device)
+    self.grads = jax.device_put({k: jnp.full(s, 1e-3, jnp.float32) for k, s in shapes.items()}, device)
+    self.state = make_state(self.params)
+    self.step = make_step()
+
+  def run(self):
+    self.params, self.state = self.step(self.params, self.state, self.grads)
+    jax.block_until_ready((self.params, self.state))
+
+  def close(self):
+    del self.params, self.state, self.grads
+
+
+class TorchVariant:
+
+  def __init__(self, shapes):
+    import torch
+    self.name = "torch AdamW(fused=True)"
+    self.params = [torch.full(s, 0.5, requires_grad=True) for s in shapes.values()]
+    for p in self.params:
+      p.grad = torch.full(p.shape, 1e-3)
+    self.opt = torch.optim.AdamW(self.params, lr=LR, weight_decay=WD, fused=True)
+
+  def run(self):
+    self.opt.step()
+
+  def close(self):
+    del self.opt, self.params
+
+
+def optax_contract_step(tx):
+  def step(p, s, g):
+    u, s = tx.update(g, s, p)
+    return optax_hybrid.apply_updates(p, u), s
+  return jax.jit(step, donate_argnums=(0, 1))
+
+
+def variants(shapes, have_torch):
+  kernels = ["xla"] + (["native"] if native_cpu.available() else [])
+  out = []
+  tx = optax.adamw(LR, weight_decay=WD)
+  out.append(lambda: JaxVariant("optax.adamw", shapes, lambda: jax.jit(
+      lambda p, s, g: (lambda u, s: (optax.apply_updates(p, u), s))(*tx.update(g, s, p)), donate_argnums=(0, 1)),
+      tx.init))
+  for kernel in kernels:
+    for memory in ("device", "pinned_host"):
+      ours = optax_hybrid.hybrid_adamw(LR, weight_decay=WD, kernel=kernel, state_memory_kind=memory)
+      out.append(lambda ours=ours, kernel=kernel, memory=memory: JaxVariant(
+          f"ours {kernel}, {memory} moments, tx.step", shapes,
+          lambda: jax.jit(ours.step, donate_argnums=(0, 1)), ours.init))
+    ours = optax_hybrid.hybrid_adamw(LR, weight_decay=WD, kernel=kernel)
+    out.append(lambda ours=ours, kernel=kernel: JaxVariant(
+        f"ours {kernel}, device moments, update+apply", shapes, lambda: optax_contract_step(ours), ours.init))
+  if have_torch:
+    out.append(lambda: TorchVariant(shapes))
+  return out
+
+
+def copy_bandwidth(reps):
+  x = jnp.ones((64 * 2**20,), jnp.float32)  # 256 MB
+  scale = jax.jit(lambda x: x * 1.0000001, donate_argnums=0)
+  for _ in range(3):
+    x = scale(x)
+  jax.block_until_ready(x)
+  times = []
+  for _ in range(reps):
+    t = time.perf_counter()
+    x = scale(x)
+    jax.block_until_ready(x)
+    times.append(time.perf_counter() - t)
+  return x.size * 8 / statistics.median(times) / 1e9
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--scale", type=float, default=1.0, help="shrink every tree by this factor")
+  parser.add_argument("--reps", type=int, default=9, help="timed rounds (default 9)")
+  parser.add_argument("--trees", default="one,many,gpt2", help="comma-separated subset of one,many,gpt2")
+  args = parser.parse_args(argv)
+  try:
+    import torch
+    torch_note = f"torch {torch.__version__} ({torch.get_num_threads()} threads)"
+    have_torch = True
+  except ImportError:
+    torch_note, have_torch = "torch not installed", False
+  print(f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores; jax {jax.__version__}, "
+        f"optax {optax.__version__}, {torch_note}; native kernel: "
+        f"{'built' if native_cpu.available() else native_cpu.why_unavailable()}")
+  bandwidth = copy_bandwidth(args.reps)
+  print(f"memory bandwidth (donated in-place scale, 8 B/element): {bandwidth:.1f} GB/s")
+  for tree_name, shapes in trees(args.trees.split(","), args.scale).items():
+    n_params = sum(math.prod(s) for s in shapes.values())
+    built = [make() for make in variants(shapes, have_torch)]
+    for v in built:  # warm-up: compile and touch every buffer
+      for _ in range(2):
+        v.run()
+    times = {v.name: [] for v in built}
+    for _ in range(args.reps):  # interleaved rounds
+      for v in built:
+        t = time.perf_counter()
+        v.run()
+        times[v.name].append(time.perf_counter() - t)
+    for v in built:
+      v.close()
+    med = {k: statistics.median(t) for k, t in times.items()}
+    print(f"\n{tree_name}: {n_params / 1e6:.1f}M params, {len(shapes)} leaves")
+    print(f"| {'variant':<42} | {'ms':>7} | {'Mparams/s':>9} | {'GB/s @28B':>9} | {'of bw':>5} | "
+          f"{'optax/ours':>10} | {'torch/ours':>10} |")
+    print(f"|{'-' * 44}|{'-' * 9}|{'-' * 11}|{'-' * 11}|{'-' * 7}|{'-' * 12}|{'-' * 12}|")
+    for name, t in med.items():
+      gbs = n_params * BYTES_PER_PARAM / t / 1e9
+      vs_optax = f"{med['optax.adamw'] / t:10.2f}"
+      vs_torch = f"{med['torch AdamW(fused=True)'] / t:10.2f}" if have_torch else f"{'-':>10}"
+      print(f"| {name:<42} | {t * 1e3:7.1f} | {n_params / t / 1e6:9.0f} | {gbs:9.1f} | {gbs / bandwidth:5.2f} | "
+            f"{vs_optax} | {vs_torch} |")
+
+
+if __name__ == "__main__":
+  main()
