@@ -154,3 +154,16 @@ def test_one_custom_call_for_many_leaves_and_fallback_for_the_rest():
   want = jax.jit(fn(reference.update_leaves))(g, m, v, p)
   for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-6, atol=1e-8)
+
+
+def test_without_the_library_the_xla_path_is_used_with_one_warning(monkeypatch):
+  monkeypatch.setattr(native_cpu, "_state", {"loaded": False, "error": None, "warned": False})
+  monkeypatch.setattr(native_cpu, "_library_path", lambda: None)
+  assert not native_cpu.available()
+  assert "not built" in native_cpu.why_unavailable()
+  with pytest.warns(RuntimeWarning, match="native CPU kernel unavailable"):
+    assert kernels.resolve_kernel("native", fused=True) is reference.update_leaves
+  import warnings
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")  # only once
+    assert kernels.resolve_kernel("native", fused=True) is reference.update_leaves
