@@ -45,3 +45,25 @@ def adamw_steps(params, grads_per_step, lrs, *, b1=0.9, b2=0.999, eps=1e-8, weig
       p[k] = p[k] - lr / bc1 * m[k] / denom
     history.append({k: x.copy() for k, x in p.items()})
   return history, m, v
+
+
+def adamw_steps_stored_as(params, grads_per_step, lr, store_dtype, *, b1=0.9, b2=0.999, eps=1e-8,
+                          weight_decay=0.0):
+  """AdamW (decoupled decay) in float64 with the params rounded to ``store_dtype`` after each step.
+
+  Models low-precision params with exact moments: returns (params after each
+  step, final m), float64.
+  """
+  p = {k: np.asarray(v, np.float64) for k, v in params.items()}
+  m = {k: np.zeros_like(v) for k, v in p.items()}
+  v = {k: np.zeros_like(x) for k, x in p.items()}
+  history = []
+  for t, grads in enumerate(grads_per_step, start=1):
+    for k in p:
+      g = np.asarray(grads[k], np.float64)
+      m[k] = b1 * m[k] + (1 - b1) * g
+      v[k] = b2 * v[k] + (1 - b2) * g * g
+      u = -lr * weight_decay * p[k] - lr / (1 - b1**t) * m[k] / (np.sqrt(v[k]) / math.sqrt(1 - b2**t) + eps)
+      p[k] = np.asarray((p[k] + u).astype(store_dtype), np.float64)
+    history.append({k: x.copy() for k, x in p.items()})
+  return history, m

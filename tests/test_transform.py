@@ -11,7 +11,7 @@ import optax
 import pytest
 
 import optax_hybrid
-from numpy_reference import adamw_steps, colossal_lr
+from numpy_reference import adamw_steps, adamw_steps_stored_as, colossal_lr
 
 SHAPES = {"w": (5, 7), "b": (7,), "s": ()}
 STEPS = 25
@@ -192,20 +192,11 @@ def test_bf16_params_with_fp32_moments():
   for leaf in jax.tree.leaves(history[-1]):
     assert leaf.dtype == jnp.bfloat16
   # Float64 model of the same storage: bf16 params, fp32-or-better moments.
-  p = {k: np.asarray(v, np.float64) for k, v in params.items()}
-  m = {k: np.zeros_like(v) for k, v in p.items()}
-  v = {k: np.zeros_like(x) for k, x in p.items()}
-  for t, g in enumerate(grads_bf16, start=1):
-    for k in p:
-      gk = np.asarray(g[k], np.float64)
-      m[k] = 0.9 * m[k] + 0.1 * gk
-      v[k] = 0.999 * v[k] + 0.001 * gk * gk
-      u = -1e-2 * 0.1 * p[k] - 1e-2 / (1 - 0.9**t) * m[k] / (np.sqrt(v[k]) / np.sqrt(1 - 0.999**t) + 1e-8)
-      p[k] = np.asarray((p[k] + u).astype(ml_dtypes.bfloat16), np.float64)
-    for k in p:
-      ours = np.asarray(history[t - 1][k], np.float64)
+  ref, m = adamw_steps_stored_as(params, grads_bf16, 1e-2, ml_dtypes.bfloat16, weight_decay=0.1)
+  for ours_t, ref_t in zip(history, ref):
+    for k in ref_t:
       # At most one bf16 rounding step apart (fp32 vs float64 update, same rounding).
-      np.testing.assert_allclose(ours, p[k], rtol=2 ** -7, atol=1e-6)
+      np.testing.assert_allclose(np.asarray(ours_t[k], np.float64), ref_t[k], rtol=2 ** -7, atol=1e-6)
   np.testing.assert_allclose(np.asarray(state.mu["w"]), m["w"], rtol=1e-5, atol=1e-9)
 
 
@@ -400,23 +391,15 @@ def test_step_rounds_bf16_params_once():
   params = make_params(dtype=jnp.bfloat16)
   grads = [{k: jnp.asarray(v, jnp.bfloat16) for k, v in g.items()} for g in make_grads(6)]
   tx = optax_hybrid.hybrid_adamw(1e-2, weight_decay=0.1, mu_dtype=jnp.float32, nu_dtype=jnp.float32)
+  ref, _ = adamw_steps_stored_as(params, grads, 1e-2, ml_dtypes.bfloat16, weight_decay=0.1)
   p, s = params, tx.init(params)
-  ref = {k: np.asarray(v, np.float64) for k, v in params.items()}
-  m = {k: np.zeros_like(v) for k, v in ref.items()}
-  v = {k: np.zeros_like(x) for k, x in ref.items()}
   step = jax.jit(tx.step)
-  for t, g in enumerate(grads, start=1):
+  for t, (g, ref_t) in enumerate(zip(grads, ref), start=1):
     p, s = step(p, s, g)
-    for k in ref:
-      gk = np.asarray(g[k], np.float64)
-      m[k] = 0.9 * m[k] + 0.1 * gk
-      v[k] = 0.999 * v[k] + 0.001 * gk * gk
-      u = -1e-2 * 0.1 * ref[k] - 1e-2 / (1 - 0.9**t) * m[k] / (np.sqrt(v[k]) / np.sqrt(1 - 0.999**t) + 1e-8)
-      ref[k] = np.asarray((ref[k] + u).astype(ml_dtypes.bfloat16), np.float64)
-    for k in ref:
+    for k in ref_t:
       assert p[k].dtype == jnp.bfloat16
       # One rounding of p + u (in float32) against one rounding in float64: equal
       # but for rare ties at the last bit.
-      mismatch = np.mean(np.asarray(p[k], np.float64) != ref[k])
+      mismatch = np.mean(np.asarray(p[k], np.float64) != ref_t[k])
       assert mismatch < 0.02, (k, t, mismatch)
-      np.testing.assert_allclose(np.asarray(p[k], np.float64), ref[k], rtol=2**-8)
+      np.testing.assert_allclose(np.asarray(p[k], np.float64), ref_t[k], rtol=2**-8)
