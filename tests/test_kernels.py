@@ -167,3 +167,60 @@ def test_without_the_library_the_xla_path_is_used_with_one_warning(monkeypatch):
   with warnings.catch_warnings():
     warnings.simplefilter("error")  # only once
     assert kernels.resolve_kernel("native", fused=True) is reference.update_leaves
+
+
+# --- the native kernel through hybrid_adamw, against the float64 model -------
+
+@needs_native
+@pytest.mark.parametrize("bias_correction,adamw_mode,weight_decay",
+                         list(itertools.product([True, False], [True, False], [0.0, 0.1])))
+def test_native_step_matches_float64_model(bias_correction, adamw_mode, weight_decay):
+  import optax_hybrid
+  from numpy_reference import adamw_steps, colossal_lr
+  rng = np.random.default_rng(7)
+  shapes = {"w": (33, 17), "b": (17,), "s": (), "e": (0, 4)}
+  params = {k: jnp.asarray(rng.normal(size=s), jnp.float32) for k, s in shapes.items()}
+  grads = [{k: (rng.normal(size=s) * 10.0 ** rng.integers(-3, 2)).astype(np.float32) for k, s in shapes.items()}
+           for _ in range(12)]
+  mask = {"w": True, "b": False, "s": True, "e": True}
+  kw = dict(b1=0.9, b2=0.95, eps=1e-6, weight_decay=weight_decay, bias_correction=bias_correction,
+            adamw_mode=adamw_mode)
+  sched = optax_hybrid.warmup_cosine_schedule(1e-2, 10, 2, 1e-3)
+  tx = optax_hybrid.hybrid_adamw(sched, mask=mask, kernel="native", **kw)
+  step = jax.jit(tx.step)
+  p, s = params, tx.init(params)
+  history = []
+  for g in grads:
+    p, s = step(p, s, g)
+    history.append(p)
+  ref, _, _ = adamw_steps(params, grads, [colossal_lr(k, 1e-2, 10, 2, 1e-3) for k in range(12)],
+                          decay_mask=mask, **kw)
+  for ours, want in zip(history, ref):
+    for k in shapes:
+      np.testing.assert_allclose(np.asarray(ours[k]), want[k], rtol=2e-5, atol=2e-6)
+
+
+@needs_native
+def test_native_update_under_inject_hyperparams_matches_xla_without_recompiling():
+  import optax
+  import optax_hybrid
+  rng = np.random.default_rng(8)
+  params = {"w": jnp.asarray(rng.normal(size=(9, 5)), jnp.float32), "b": jnp.zeros(5)}
+  grads = [{k: rng.normal(size=v.shape).astype(np.float32) for k, v in params.items()} for _ in range(4)]
+  results = {}
+  for kernel in ("native", "xla"):
+    tx = optax.inject_hyperparams(optax_hybrid.hybrid_adamw, static_args=("kernel",))(
+        learning_rate=1e-2, weight_decay=0.1, kernel=kernel)
+    update = jax.jit(tx.update)
+    p, s = params, tx.init(params)
+    for i, g in enumerate(grads):
+      s.hyperparams["learning_rate"] = jnp.asarray(1e-2 / (i + 1), jnp.float32)
+      s.hyperparams["b1"] = jnp.asarray(0.9 - 0.1 * i, jnp.float32)
+      u, s = update(g, s, p)
+      p = optax_hybrid.apply_updates(p, u)
+    assert update._cache_size() == 1
+    if kernel == "native":
+      assert "optax_hybrid_adamw_cpu" in update.lower(grads[0], s, p).as_text()
+    results[kernel] = p
+  for k in params:
+    np.testing.assert_allclose(np.asarray(results["native"][k]), np.asarray(results["xla"][k]), rtol=2e-6, atol=1e-7)
