@@ -150,6 +150,13 @@ def test_one_custom_call_for_many_leaves_and_fallback_for_the_rest():
   fn = lambda kernel: (lambda g, m, v, p: kernel(g, m, v, p, decays, dtypes, s, adamw_mode=True))
   lowered = jax.jit(fn(native_cpu.update_leaves)).lower(g, m, v, p).as_text()
   assert lowered.count(f"custom_call @{native_cpu.TARGET}(") == 1  # not one call per leaf
+  # Past MAX_LEAVES_PER_CALL the leaves are split over a few calls (compile time).
+  many = [jnp.full((2,), 0.5, jnp.float32)] * (2 * native_cpu.MAX_LEAVES_PER_CALL + 1)
+  zeros = [jnp.zeros(2)] * len(many)
+  lowered_many = jax.jit(lambda g, m, v, p: native_cpu.update_leaves(
+      g, m, v, p, [False] * len(many), [jnp.float32] * len(many), s, adamw_mode=True)).lower(
+          many, zeros, zeros, many).as_text()
+  assert lowered_many.count(f"custom_call @{native_cpu.TARGET}(") == 3
   got = jax.jit(fn(native_cpu.update_leaves))(g, m, v, p)
   want = jax.jit(fn(reference.update_leaves))(g, m, v, p)
   for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
