@@ -6,6 +6,8 @@ Public API:
 * :func:`hybrid_adamw`: the AdamW transform (HybridAdam / torch semantics)
   whose moments can live in ``pinned_host`` memory.
 * :func:`scale_by_hybrid_adam`: the same step without the learning rate.
+* :class:`HybridAdamW`: what ``hybrid_adamw`` returns; adds the fused
+  ``step(params, state, grads)``.
 * :class:`HybridAdamState`: its state (``count``, ``mu``, ``nu``, ``skipped``).
 * :func:`apply_updates`: ``optax.apply_updates`` that is correct for params in
   any memory kind.
@@ -22,12 +24,13 @@ from optax_hybrid.placement import (
     host_arithmetic_outside_host_compute,
 )
 from optax_hybrid.schedules import warmup_cosine_schedule
-from optax_hybrid.transform import HybridAdamState, hybrid_adamw, scale_by_hybrid_adam
+from optax_hybrid.transform import HybridAdamState, HybridAdamW, hybrid_adamw, scale_by_hybrid_adam
 
 __version__ = "0.1.0"
 
 __all__ = [
     "HybridAdamState",
+    "HybridAdamW",
     "STATE_MEMORY_KINDS",
     "apply_updates",
     "checkpoint",

@@ -18,6 +18,7 @@ from optax_hybrid.kernels import resolve_kernel, step_scalars
 ScalarOrSchedule = Union[float, jax.Array, optax.Schedule]
 MaskOrFn = Optional[Union[Any, Callable[[optax.Params], Any]]]
 
+
 class HybridAdamState(NamedTuple):
   """State of :func:`hybrid_adamw` and :func:`scale_by_hybrid_adam`.
 
@@ -417,7 +418,7 @@ def hybrid_adamw(
     kernel: str = "auto",
     skip_nonfinite: bool = False,
     weight_decay_mask: MaskOrFn = None,
-) -> optax.GradientTransformationExtraArgs:
+) -> HybridAdamW:
   r"""AdamW as ColossalAI's HybridAdam and ``torch.optim.AdamW`` compute it, with placeable state.
 
   With :math:`t` the 1-based step, :math:`\eta_t` the learning rate and
@@ -477,8 +478,8 @@ def hybrid_adamw(
   the params' dtype).
 
   Returns:
-    An ``optax.GradientTransformationExtraArgs`` whose state is a
-    :class:`HybridAdamState`.
+    A :class:`HybridAdamW`: an ``optax.GradientTransformationExtraArgs`` whose
+    state is a :class:`HybridAdamState`, with the fused ``step`` method.
 
   Raises:
     ValueError: for a hyperparameter out of range, an unknown memory kind or
