@@ -385,7 +385,7 @@ def scale_by_hybrid_adam(
     ...     optax_hybrid.scale_by_hybrid_adam(b2=0.95),
     ...     optax.scale_by_learning_rate(3e-4))
   """
-  return _hybrid_adam(
+  tx = _hybrid_adam(
       -1.0,
       b1,
       b2,
@@ -400,6 +400,9 @@ def scale_by_hybrid_adam(
       kernel=kernel,
       skip_nonfinite=skip_nonfinite,
   )
+  # A plain Optax transformation: the fused ``step`` applies a learning rate,
+  # which this building block leaves to the chain (its internal rate is -1).
+  return optax.GradientTransformationExtraArgs(tx.init, tx.update)
 
 
 def hybrid_adamw(

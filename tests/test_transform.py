@@ -121,7 +121,9 @@ def test_scale_by_hybrid_adam_composes_to_hybrid_adamw():
   params, grads = make_params(), make_grads(8)
   for adamw_mode in (True, False):
     kwargs = dict(b2=0.98, weight_decay=0.1, adamw_mode=adamw_mode)
-    chained = optax.chain(optax_hybrid.scale_by_hybrid_adam(**kwargs), optax.scale_by_learning_rate(schedule()))
+    block = optax_hybrid.scale_by_hybrid_adam(**kwargs)
+    assert not hasattr(block, "step")  # no learning rate of its own, so no fused step
+    chained = optax.chain(block, optax.scale_by_learning_rate(schedule()))
     whole = optax_hybrid.hybrid_adamw(schedule(), **kwargs)
     for a, b in zip(run(chained, params, grads)[0], run(whole, params, grads)[0]):
       chex.assert_trees_all_close(a, b, rtol=1e-6, atol=1e-8)
