@@ -76,6 +76,14 @@ ClosedJaxpr = jax.extend.core.ClosedJaxpr
 Jaxpr = jax.extend.core.Jaxpr
 
 
+HOST_MEMORY_KINDS = ("pinned_host", "unpinned_host")
+
+
+def is_host_kind(kind: Any) -> bool:
+  """Whether a sharding's ``memory_kind`` names host memory."""
+  return kind in HOST_MEMORY_KINDS
+
+
 def is_tracer(x: Any) -> bool:
   return isinstance(x, Tracer)
 
@@ -122,8 +130,7 @@ def match_type_to_sharding(x: Any) -> Any:
   """
   if not isinstance(x, jax.Array) or is_tracer(x):
     return x
-  kind = getattr(x.sharding, "memory_kind", None)
-  wants_host = kind in ("pinned_host", "unpinned_host")
+  wants_host = is_host_kind(getattr(x.sharding, "memory_kind", None))
   if wants_host != (memory_space_of(x) == HOST):
     return jax.device_put(x, x.sharding, may_alias=False)
   return x

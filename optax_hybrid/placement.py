@@ -88,7 +88,7 @@ def _param_memory_kind(param: Any) -> str:
   if isinstance(param, jax.ShapeDtypeStruct):
     sharding = getattr(param, "sharding", None)
     kind = getattr(sharding, "memory_kind", None)
-    return HOST_KIND if kind in ("pinned_host", "unpinned_host") else DEVICE_KIND
+    return HOST_KIND if _compat.is_host_kind(kind) else DEVICE_KIND
   if isinstance(param, jax.Array):
     return memory_kind_of(param)
   return DEVICE_KIND
