@@ -91,7 +91,6 @@ TRIGGERS = {
     "hyperparameter-type": lambda: hybrid(b1=jnp.ones(3)),
     "flag-type": lambda: hybrid(adamw_mode="yes"),
     "kernel-unknown": lambda: hybrid(kernel="cuda"),
-    "kernel-pallas": lambda: hybrid(kernel="pallas"),
     "memory-kind-unknown": lambda: hybrid(state_memory_kind="unpinned_host"),
     "memory-kind-missing": lambda: placement.check_memory_kind("pinned_host", fake_device_without_host()),
     "memory-kind-callable": lambda: hybrid(state_memory_kind=lambda path, p: "vram").init({"w": PARAMS["w"]}),

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from optax_hybrid import kernels
-from optax_hybrid.kernels import native_cpu, reference
+from optax_hybrid.kernels import native_cpu, pallas_gpu, reference
 
 needs_native = pytest.mark.skipif(not native_cpu.available(), reason=f"native kernel: {native_cpu.why_unavailable()}")
 
@@ -27,8 +27,7 @@ def test_kernel_selection():
   assert kernels.resolve_kernel("auto", fused=False) is reference.update_leaves  # measured faster
   assert kernels.resolve_kernel("native") is expected
   assert kernels.resolve_kernel("native", fused=True) is expected
-  with pytest.raises(NotImplementedError, match="kernel='pallas'"):
-    kernels.resolve_kernel("pallas")
+  assert kernels.resolve_kernel("pallas") is (pallas_gpu.update_leaves if single else reference.update_leaves)
   with pytest.raises(ValueError, match="'auto', 'xla', 'native', 'pallas'"):
     kernels.resolve_kernel("triton")
 

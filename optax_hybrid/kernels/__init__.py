@@ -3,8 +3,10 @@
 Every kernel has the signature of :func:`reference.update_leaves` and is tested
 against it. ``"xla"`` is the reference rule itself, one fused XLA loop per leaf.
 ``"native"`` is the compiled CPU kernel (:mod:`native_cpu`), one custom call
-for all CPU-resident leaves; ``"auto"`` picks it for the fused ``tx.step``
-where it is built (see :func:`resolve_kernel`).
+for all CPU-resident leaves. ``"pallas"`` is the fused GPU kernel
+(:mod:`pallas_gpu`), one launch per 64 leaves, run in Pallas interpret mode off
+the GPU. ``"auto"`` picks the Pallas kernel on a GPU, and on a CPU the native
+kernel for the fused ``tx.step`` where it is built (see :func:`resolve_kernel`).
 
 The contract for any other kernel: it must honour every field of
 :class:`AdamScalars` (``step_ok`` included), and hand the leaves it cannot take
@@ -18,7 +20,7 @@ from typing import Callable
 
 import jax
 
-from optax_hybrid.kernels import native_cpu, reference
+from optax_hybrid.kernels import native_cpu, pallas_gpu, reference
 from optax_hybrid.kernels.reference import AdamScalars, step_scalars
 
 KERNEL_NAMES = ("auto", "xla", "native", "pallas")
@@ -32,31 +34,28 @@ def resolve_kernel(kernel: str, *, fused: bool = False) -> Callable:
   measures fastest on a CPU (``benchmarks/step.py``): the native kernel for the
   fused step; the XLA rule for ``update``, where XLA fuses the caller's
   ``p + u`` into the step and the custom call would write a full-size update
-  buffer instead.
+  buffer instead. On a GPU backend ``"auto"`` is the Pallas kernel for both.
+
+  Neither custom kernel has a sharding rule yet (XLA would gather sharded
+  operands onto every device), so with several devices every name runs the
+  XLA rule.
 
   Raises:
     ValueError: for an unknown name.
-    NotImplementedError: for ``"pallas"``, until the Pallas kernel lands.
   """
   if not isinstance(kernel, str) or kernel not in KERNEL_NAMES:
     raise ValueError(
         f"hybrid_adamw: unknown `kernel`={kernel!r}; accepted values are "
         f"{', '.join(repr(k) for k in KERNEL_NAMES)}."
     )
-  if kernel == "pallas":
-    raise NotImplementedError(
-        "hybrid_adamw: kernel='pallas' is not available yet (the fused Pallas "
-        "GPU kernel is a separate piece of work); use kernel='xla' or "
-        "kernel='auto'."
-    )
-  if kernel == "xla" or (kernel == "auto" and not fused):
+  if kernel == "xla" or jax.device_count() > 1:
+    return reference.update_leaves
+  if kernel == "pallas" or (kernel == "auto" and jax.default_backend() == "gpu"):
+    return pallas_gpu.update_leaves
+  if kernel == "auto" and not fused:
     return reference.update_leaves
   # The compiled CPU kernel where it is built. It only runs for CPU-resident
-  # leaves; elsewhere it hands over to the XLA rule. The custom call has no
-  # sharding rule yet, so XLA would gather sharded operands onto every device:
-  # with several devices the XLA rule is used instead.
-  if jax.device_count() > 1:
-    return reference.update_leaves
+  # leaves; elsewhere it hands over to the XLA rule.
   if native_cpu.available():
     return native_cpu.update_leaves
   if kernel == "native" or jax.default_backend() == "cpu":
@@ -64,4 +63,4 @@ def resolve_kernel(kernel: str, *, fused: bool = False) -> Callable:
   return reference.update_leaves
 
 
-__all__ = ["AdamScalars", "KERNEL_NAMES", "reference", "resolve_kernel", "step_scalars"]
+__all__ = ["AdamScalars", "KERNEL_NAMES", "native_cpu", "pallas_gpu", "reference", "resolve_kernel", "step_scalars"]

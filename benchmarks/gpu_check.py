@@ -1,0 +1,322 @@
+"""Everything the GPU must show, in one call: correctness first, then every figure.
+
+    PYTHONPATH=. python benchmarks/gpu_check.py            # on a GPU machine, < 8 min
+    PYTHONPATH=. python benchmarks/gpu_check.py --smoke    # tiny sizes, any machine (the test runs this)
+
+1. Correctness: ``kernel="pallas"`` against ``kernel="xla"`` and against a
+   float64 NumPy model of AdamW, over several steps with a schedule, on a tree
+   with odd sizes, a scalar, an empty leaf, fp32 and bf16 params (fp32 moments),
+   both memory kinds; the compiled step's Triton launches and its in-place
+   aliasing.
+2. Copy bandwidth: a jitted device-to-device copy of 1 GiB (8 B per element).
+3. A sweep of the kernel's block size and warps on one 256M-param leaf.
+4. Step time on 1 leaf of 256M params, 1024 leaves of 64K and the GPT-2-small
+   shapes: ours (Pallas and XLA; fused ``tx.step`` and the Optax
+   update + apply), ``optax.adamw``, and ``torch.optim.AdamW(fused=True)`` when
+   torch sees the GPU. JAX steps run ``--steps`` at a time inside one jitted
+   ``fori_loop`` (device time, no Python dispatch); torch's are launched
+   back to back and synchronized once. Medians of ``--reps`` rounds,
+   interleaved. GB/s counts the 28 bytes per param an fp32 step must move;
+   "of copy" divides it by section 2's bandwidth.
+
+Exits non-zero if a correctness check failed (after printing every figure).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.join(HERE, os.pardir))
+sys.path.insert(0, os.path.join(HERE, os.pardir, "tests"))  # the float64 model
+import optax_hybrid  # noqa: E402
+from optax_hybrid import placement  # noqa: E402
+from optax_hybrid.kernels import pallas_gpu, reference  # noqa: E402
+from numpy_reference import adamw_steps, colossal_lr  # noqa: E402
+from step import gpt2_small_shapes  # noqa: E402  (benchmarks/step.py)
+
+BYTES_PER_PARAM = 28
+LR, WD = 1e-3, 0.1
+FAILURES: list[str] = []
+
+
+def check(name: str, ok: bool, detail: str = "") -> None:
+  print(f"  {'PASS' if ok else 'FAIL'}  {name}{': ' + detail if detail else ''}", flush=True)
+  if not ok:
+    FAILURES.append(name)
+
+
+def excess(a, b, rtol, atol) -> float:
+  """The largest |a - b| / (atol + rtol |b|): <= 1 is within tolerance, as in np.allclose."""
+  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+  if a.size == 0:
+    return 0.0
+  return float(np.max(np.abs(a - b) / (atol + rtol * np.abs(b))))
+
+
+# --- 1. correctness ------------------------------------------------------------
+
+def correctness(block: int) -> None:
+  print("\n## 1. correctness", flush=True)
+  rng = np.random.default_rng(0)
+  shapes = {"w": (257, 129), "b": (129,), "s": (), "e": (0, 3), "odd": (3 * block + 7,)}
+  sched = optax_hybrid.warmup_cosine_schedule(1e-2, 8, 2, 1e-3)
+  steps = 6
+  grads_np = [{k: rng.normal(size=s).astype(np.float32) for k, s in shapes.items()} for _ in range(steps)]
+  params_np = {k: rng.normal(size=s).astype(np.float32) for k, s in shapes.items()}
+  kinds = [None] + (["pinned_host"] if "pinned_host" in placement.available_memory_kinds() else [])
+  for dtype in (jnp.float32, jnp.bfloat16):
+    for kind in kinds:
+      finals = {}
+      for kernel in ("pallas", "xla"):
+        tx = optax_hybrid.hybrid_adamw(sched, weight_decay=WD, mu_dtype=jnp.float32, nu_dtype=jnp.float32,
+                                       state_memory_kind=kind, kernel=kernel, skip_nonfinite=True)
+        p = jax.device_put({k: jnp.asarray(v, dtype) for k, v in params_np.items()}, jax.devices()[0])
+        s = tx.init(p)
+        step = jax.jit(tx.step, donate_argnums=(0, 1))
+        for g in grads_np:
+          p, s = step(p, s, {k: jnp.asarray(v, dtype) for k, v in g.items()})
+        finals[kernel] = jax.tree.map(np.asarray, (p, s.mu, s.nu))
+      rtol = 1e-5 if dtype == jnp.float32 else 2 * 2**-8  # bf16: two rounding steps
+      worst = max(excess(a, b, rtol, 1e-6)
+                  for a, b in zip(jax.tree.leaves(finals["pallas"]), jax.tree.leaves(finals["xla"])))
+      check(f"pallas == xla, {jnp.dtype(dtype).name} params, {kind or 'device'} moments, {steps} steps",
+            worst <= 1, f"error / tolerance {worst:.2f} (rtol {rtol:.0e}, atol 1e-6)")
+      if dtype == jnp.float32:
+        lrs = [colossal_lr(k, 1e-2, 8, 2, 1e-3) for k in range(steps)]
+        want, _, _ = adamw_steps(params_np, grads_np, lrs, weight_decay=WD)
+        worst = max(excess(finals["pallas"][0][k], want[-1][k], 2e-5, 2e-6) for k in shapes)
+        check(f"pallas == float64 model, {kind or 'device'} moments", worst <= 1,
+              f"error / tolerance {worst:.2f} (rtol 2e-5, atol 2e-6)")
+
+  # What XLA was given: one Triton launch per 64 leaves, every buffer updated in place.
+  params = {f"l{i:03d}": jnp.zeros((1000 + i,), jnp.float32) for i in range(130)}
+  tx = optax_hybrid.hybrid_adamw(LR, weight_decay=WD, kernel="pallas")
+  lowered = jax.jit(tx.step, donate_argnums=(0, 1)).lower(params, tx.init(params), params)
+  launches = pallas_gpu.gpu_launches(lowered.as_text())
+  on_gpu = jax.default_backend() == "gpu"
+  check("130 leaves -> 3 Triton launches", launches == (3 if on_gpu else 0), f"{launches} launches")
+  memory = lowered.compile().memory_analysis()
+  if memory is not None and on_gpu:  # interpret mode copies; only the GPU kernel is in place
+    state_bytes = 3 * 4 * sum(x.size for x in params.values())
+    temp = memory.temp_size_in_bytes
+    check("in place: temporaries are a small fraction of p, m, v", temp < 0.1 * state_bytes,
+          f"temp {temp / 2**20:.2f} MiB vs {state_bytes / 2**20:.2f} MiB of p, m, v")
+
+
+# --- 2. copy bandwidth ---------------------------------------------------------
+
+def timed(fn, reps):
+  times = []
+  for _ in range(reps):
+    t = time.perf_counter()
+    fn()
+    times.append(time.perf_counter() - t)
+  return statistics.median(times)
+
+
+def copy_bandwidth(n: int, reps: int) -> float:
+  x = jnp.ones((n,), jnp.float32)
+  copy = jax.jit(lambda x: x + 0.0)
+  y = copy(x).block_until_ready()
+  seconds = timed(lambda: copy(x).block_until_ready(), reps)
+  del y
+  return n * 8 / seconds / 1e9
+
+
+# --- 3. block sweep ------------------------------------------------------------
+
+def block_sweep(n: int, reps: int, bandwidth: float, configs) -> None:
+  print(f"\n## 3. Pallas block size / warps, one leaf of {n / 2**20:.0f}M fp32 params (tx.step arithmetic)",
+        flush=True)
+  s = reference.step_scalars(jnp.int32(3), LR, 0.9, 0.999, 1e-8, WD, True)
+  arrays = [jnp.full((n,), 0.5, jnp.float32), jnp.full((n,), 1e-3, jnp.float32), jnp.zeros((n,)), jnp.zeros((n,))]
+  print(f"| {'block':>6} | {'warps':>5} | {'ms':>7} | {'GB/s @28B':>9} | {'of copy':>7} |")
+  print(f"|{'-' * 8}|{'-' * 7}|{'-' * 9}|{'-' * 11}|{'-' * 9}|")
+  for block, warps in configs:
+    def one(p, g, m, v, block=block, warps=warps):
+      out = pallas_gpu.update_leaves([g], [m], [v], [p], [True], [jnp.float32], s, adamw_mode=True,
+                                     write_params=True, block_size=block, num_warps=warps)
+      return out[0][0], out[1][0], out[2][0]
+    fn = jax.jit(one, donate_argnums=(0, 2, 3))
+    p, g, m, v = arrays
+    p, m, v = fn(p, g, m, v)
+    jax.block_until_ready(p)
+
+    def run():
+      nonlocal p, m, v
+      p, m, v = fn(p, g, m, v)
+      jax.block_until_ready(p)
+
+    t = timed(run, reps)
+    arrays = [p, g, m, v]
+    gbs = n * BYTES_PER_PARAM / t / 1e9
+    print(f"| {block:>6} | {warps:>5} | {t * 1e3:7.3f} | {gbs:9.1f} | {gbs / bandwidth:7.2f} |", flush=True)
+
+
+# --- 4. step time --------------------------------------------------------------
+
+class JaxLoop:
+  """``steps`` donated steps inside one jitted fori_loop."""
+
+  def __init__(self, name, shapes, step_fn, init_fn, steps):
+    self.name = name
+    device = jax.devices()[0]
+    self.params = jax.device_put({k: jnp.full(s, 0.5, jnp.float32) for k, s in shapes.items()}, device)
+    self.grads = jax.device_put({k: jnp.full(s, 1e-3, jnp.float32) for k, s in shapes.items()}, device)
+    self.state = init_fn(self.params)
+    self.steps = steps
+
+    def loop(p, s, g):
+      return jax.lax.fori_loop(0, steps, lambda i, c: step_fn(c[0], c[1], g), (p, s))
+
+    self.loop = jax.jit(loop, donate_argnums=(0, 1))
+
+  def run(self):
+    self.params, self.state = self.loop(self.params, self.state, self.grads)
+    jax.block_until_ready(self.params)
+
+  def close(self):
+    del self.params, self.state, self.grads
+
+
+class TorchLoop:
+
+  def __init__(self, shapes, steps):
+    import torch
+    self.torch = torch
+    self.name = "torch AdamW(fused=True)"
+    self.params = [torch.full(s, 0.5, device="cuda", requires_grad=True) for s in shapes.values()]
+    for p in self.params:
+      p.grad = torch.full(p.shape, 1e-3, device="cuda")
+    self.opt = torch.optim.AdamW(self.params, lr=LR, weight_decay=WD, fused=True)
+    self.steps = steps
+
+  def run(self):
+    for _ in range(self.steps):
+      self.opt.step()
+    self.torch.cuda.synchronize()
+
+  def close(self):
+    del self.opt, self.params
+    self.torch.cuda.empty_cache()
+
+
+def step_variants(shapes, steps, torch_ok, host_moments):
+  out = []
+  adamw = optax.adamw(LR, weight_decay=WD)
+
+  def optax_step(p, s, g):
+    u, s = adamw.update(g, s, p)
+    return optax.apply_updates(p, u), s
+
+  out.append(lambda: JaxLoop("optax.adamw", shapes, optax_step, adamw.init, steps))
+  for kernel in ("pallas", "xla"):
+    ours = optax_hybrid.hybrid_adamw(LR, weight_decay=WD, kernel=kernel)
+
+    def contract(p, s, g, ours=ours):
+      u, s = ours.update(g, s, p)
+      return optax_hybrid.apply_updates(p, u), s
+
+    out.append(lambda ours=ours, kernel=kernel: JaxLoop(f"ours {kernel}, tx.step", shapes, ours.step, ours.init,
+                                                        steps))
+    out.append(lambda kernel=kernel, contract=contract, ours=ours: JaxLoop(
+        f"ours {kernel}, update+apply", shapes, contract, ours.init, steps))
+  if host_moments:
+    ours = optax_hybrid.hybrid_adamw(LR, weight_decay=WD, kernel="pallas", state_memory_kind="pinned_host")
+    out.append(lambda ours=ours: JaxLoop("ours pallas, pinned_host moments, tx.step", shapes, ours.step, ours.init,
+                                         steps))
+  if torch_ok:
+    out.append(lambda: TorchLoop(shapes, steps))
+  return out
+
+
+def step_table(tree_name, shapes, reps, steps, bandwidth, torch_ok, host_moments):
+  n_params = sum(math.prod(s) for s in shapes.values())
+  print(f"\n{tree_name}: {n_params / 1e6:.1f}M params, {len(shapes)} leaves", flush=True)
+  built = [make() for make in step_variants(shapes, steps, torch_ok, host_moments)]
+  for v in built:  # compile; the second call sees committed outputs; touch every buffer
+    v.run()
+    v.run()
+  times = {v.name: [] for v in built}
+  for _ in range(reps):
+    for v in built:
+      t = time.perf_counter()
+      v.run()
+      times[v.name].append((time.perf_counter() - t) / steps)
+  for v in built:
+    v.close()
+  med = {k: statistics.median(t) for k, t in times.items()}
+  torch_name = "torch AdamW(fused=True)"
+  print(f"| {'variant':<42} | {'ms':>8} | {'GB/s @28B':>9} | {'of copy':>7} | {'optax/ours':>10} | "
+        f"{'torch/ours':>10} |")
+  print(f"|{'-' * 44}|{'-' * 10}|{'-' * 11}|{'-' * 9}|{'-' * 12}|{'-' * 12}|")
+  for name, t in med.items():
+    gbs = n_params * BYTES_PER_PARAM / t / 1e9
+    vs_torch = f"{med[torch_name] / t:10.2f}" if torch_name in med else f"{'-':>10}"
+    print(f"| {name:<42} | {t * 1e3:8.3f} | {gbs:9.1f} | {gbs / bandwidth:7.2f} | {med['optax.adamw'] / t:10.2f} | "
+          f"{vs_torch} |", flush=True)
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--smoke", action="store_true", help="tiny sizes, to check the script anywhere")
+  parser.add_argument("--reps", type=int, default=None, help="timed rounds (default 7; 2 with --smoke)")
+  parser.add_argument("--steps", type=int, default=None, help="steps per timed round (default 10; 1 with --smoke)")
+  parser.add_argument("--trees", default="one,many,gpt2", help="comma-separated subset of one,many,gpt2")
+  args = parser.parse_args(argv)
+  smoke = args.smoke
+  reps = args.reps or (2 if smoke else 7)
+  steps = args.steps or (1 if smoke else 10)
+  try:
+    import torch
+    torch_ok = torch.cuda.is_available()
+    torch_note = f"torch {torch.__version__} ({'CUDA' if torch_ok else 'no CUDA: not timed'})"
+  except ImportError:
+    torch_ok, torch_note = False, "torch not installed"
+  device = jax.devices()[0]
+  print(f"# gpu_check: {device.device_kind} ({jax.default_backend()}), jax {jax.__version__}, "
+        f"optax {optax.__version__}, {torch_note}; {time.strftime('%Y-%m-%d %H:%M')}", flush=True)
+  if jax.default_backend() != "gpu" and not smoke:
+    print("no GPU here: the Pallas kernel would run in interpret mode; use --smoke to check the script", flush=True)
+    return 2
+  start = time.perf_counter()
+  correctness(pallas_gpu.BLOCK_SIZE if not smoke else 64)
+
+  print("\n## 2. copy bandwidth", flush=True)
+  bandwidth = copy_bandwidth(2**14 if smoke else 2**28, reps)
+  print(f"device-to-device copy (x + 0 into a new buffer, 8 B/element): {bandwidth:.1f} GB/s", flush=True)
+
+  if smoke:
+    block_sweep(2**12, reps, bandwidth, [(1024, 4)])
+  else:
+    block_sweep(2**28, reps, bandwidth, [(1024, 4), (2048, 4), (2048, 8), (4096, 8), (8192, 8), (8192, 16)])
+
+  print("\n## 4. step time (per step)", flush=True)
+  scale = 2**-14 if smoke else 1.0
+  tree_defs = {
+      "one": ("1 leaf x 256M", {"w": (max(1, int(2**28 * scale)),)}),
+      "many": ("1024 leaves x 64K", {f"l{i:04d}": (max(1, int(2**16 * scale)),) for i in range(1024 if not smoke
+                                                                                                 else 70)}),
+      "gpt2": ("GPT-2 small shapes", gpt2_small_shapes(1e-4 if smoke else 1.0)),
+  }
+  for key in args.trees.split(","):
+    name, shapes = tree_defs[key]
+    step_table(name, shapes, reps, steps, bandwidth, torch_ok, host_moments=(key == "one"))
+  print(f"\n{time.perf_counter() - start:.0f} s; {'all checks passed' if not FAILURES else 'FAILED: ' + ', '.join(FAILURES)}")
+  return 1 if FAILURES else 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

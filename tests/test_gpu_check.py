@@ -1,0 +1,37 @@
+"""benchmarks/gpu_check.py runs end to end (tiny sizes, interpret mode) so that it is ready for a GPU."""
+
+import importlib.util
+import os
+
+import jax
+import pytest
+
+SCRIPT = os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks", "gpu_check.py")
+
+
+def load():
+  spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+def test_smoke_run_passes_its_checks_and_prints_every_section(capsys):
+  if jax.default_backend() == "gpu":
+    pytest.skip("on a GPU run the full script instead")
+  gpu_check = load()
+  assert gpu_check.main(["--smoke", "--trees", "one", "--reps", "1"]) == 0
+  out = capsys.readouterr().out
+  for heading in ("## 1. correctness", "## 2. copy bandwidth", "## 3. Pallas block size", "## 4. step time"):
+    assert heading in out
+  assert "FAIL" not in out and "all checks passed" in out
+  for variant in ("optax.adamw", "ours pallas, tx.step", "ours xla, update+apply",
+                  "ours pallas, pinned_host moments, tx.step"):
+    assert f"| {variant}" in out
+
+
+def test_without_a_gpu_the_full_run_refuses_instead_of_timing_interpret_mode(capsys):
+  if jax.default_backend() == "gpu":
+    pytest.skip("a GPU is here")
+  assert load().main([]) == 2
+  assert "no GPU here" in capsys.readouterr().out

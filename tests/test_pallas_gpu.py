@@ -1,0 +1,211 @@
+"""Tests for optax_hybrid.kernels.pallas_gpu: the fused Pallas step against the reference rule.
+
+Off the GPU the kernel runs in Pallas interpret mode, so these tests check the
+kernel's own indexing (offsets table, masks, aliases) on the CPU; the CUDA
+lowering tests check what a GPU would be given.
+"""
+
+import itertools
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import optax_hybrid
+from optax_hybrid import kernels, placement
+from optax_hybrid.kernels import pallas_gpu, reference
+
+B = pallas_gpu.BLOCK_SIZE
+# A scalar, a single element, odd sizes, an empty leaf, and leaves spanning
+# one block exactly, a block plus one, and several blocks.
+SIZES = [(), (1,), (7,), (3, 5, 7), (0,), (B,), (B + 1,), (2, B + 3)]
+COMBOS = [(jnp.float32, jnp.float32), (jnp.bfloat16, jnp.float32), (jnp.bfloat16, jnp.bfloat16),
+          (jnp.float16, jnp.float32)]
+
+
+def make_leaves(pdtype, mdtype, seed=0):
+  rng = np.random.default_rng(seed)
+  g = [jnp.asarray(rng.normal(size=s), pdtype) for s in SIZES]
+  m = [jnp.asarray(rng.normal(size=s) * 0.1, mdtype) for s in SIZES]
+  v = [jnp.asarray(np.abs(rng.normal(size=s)) * 0.01, mdtype) for s in SIZES]
+  p = [jnp.asarray(rng.normal(size=s), pdtype) for s in SIZES]
+  return g, m, v, p
+
+
+def run_both(pdtype, mdtype, *, adamw_mode, write_params, step_ok=None, bias_correction=True):
+  g, m, v, p = make_leaves(pdtype, mdtype)
+  decays = [i % 2 == 0 for i in range(len(SIZES))]
+  out_dtypes = [x.dtype for x in p] if write_params else [jnp.result_type(a.dtype, b.dtype) for a, b in zip(g, m)]
+  ok = None if step_ok is None else jnp.asarray(step_ok)
+  s = reference.step_scalars(jnp.int32(4), 3e-2, 0.9, 0.99, 1e-6, 0.1, bias_correction, ok)
+
+  def run(kernel):
+    return jax.jit(lambda g, m, v, p: kernel(g, m, v, p, decays, out_dtypes, s, adamw_mode=adamw_mode,
+                                             write_params=write_params))(g, m, v, p)
+
+  return run(pallas_gpu.update_leaves), run(reference.update_leaves), (g, m, v, p)
+
+
+def tolerance(dtype):
+  # The same float32 arithmetic, fused differently: fp32 results agree to a
+  # few ulps, stored low-precision results to one rounding step.
+  return {np.dtype(jnp.float32): 1e-5, np.dtype(jnp.bfloat16): 2**-7, np.dtype(jnp.float16): 2**-10}[np.dtype(dtype)]
+
+
+@pytest.mark.parametrize("adamw_mode,write_params", list(itertools.product([True, False], repeat=2)))
+@pytest.mark.parametrize("pdtype,mdtype", COMBOS)
+def test_kernel_equals_reference(pdtype, mdtype, adamw_mode, write_params):
+  got, want, _ = run_both(pdtype, mdtype, adamw_mode=adamw_mode, write_params=write_params)
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    assert a.dtype == b.dtype and a.shape == b.shape
+    np.testing.assert_allclose(np.asarray(a, np.float64), np.asarray(b, np.float64), rtol=tolerance(a.dtype),
+                               atol=1e-7)
+
+
+@pytest.mark.parametrize("write_params", [False, True])
+def test_skipped_step_changes_nothing_and_bias_correction_off(write_params):
+  got, want, (g, m, v, p) = run_both(jnp.bfloat16, jnp.float32, adamw_mode=True, write_params=write_params,
+                                     step_ok=False)
+  for new, before in zip(got[1], m):
+    np.testing.assert_array_equal(np.asarray(new), np.asarray(before))
+  for new, before in zip(got[2], v):
+    np.testing.assert_array_equal(np.asarray(new), np.asarray(before))
+  for new, before in zip(got[0], p):
+    expected = np.asarray(before) if write_params else np.zeros(before.shape)
+    np.testing.assert_array_equal(np.asarray(new, np.float64), np.asarray(expected, np.float64))
+  got, want, _ = run_both(jnp.float32, jnp.float32, adamw_mode=False, write_params=write_params,
+                          bias_correction=False, step_ok=True)
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)
+
+
+def test_leaves_the_kernel_does_not_take_use_the_reference_in_the_same_step():
+  g = [jnp.asarray([1.0 + 2j, -0.5j], jnp.complex64), jnp.arange(5.0, dtype=jnp.float32), jnp.zeros((0, 3))]
+  m = [jnp.zeros_like(x) for x in g]
+  v = [jnp.zeros(x.shape, jnp.finfo(x.dtype).dtype) for x in g]
+  p = [x + 1 for x in g]
+  s = reference.step_scalars(jnp.int32(0), 1e-2, 0.9, 0.999, 1e-8, 0.1, True)
+  args = ([True] * 3, [x.dtype for x in g], s)
+  fn = lambda k: jax.jit(lambda g, m, v, p: k(g, m, v, p, *args, adamw_mode=True, write_params=True))
+  lowered = fn(pallas_gpu.update_leaves).trace(g, m, v, p).lower(lowering_platforms=("cuda",)).as_text()
+  assert pallas_gpu.gpu_launches(lowered) == 1  # only the float32 leaf
+  for a, b in zip(jax.tree.leaves(fn(pallas_gpu.update_leaves)(g, m, v, p)),
+                  jax.tree.leaves(fn(reference.update_leaves)(g, m, v, p))):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6)
+
+
+def test_block_size_must_be_a_power_of_two():
+  s = reference.step_scalars(jnp.int32(0), 1e-2, 0.9, 0.999, 1e-8, 0.0, True)
+  with pytest.raises(ValueError, match="`block_size` must be a positive power of two"):
+    pallas_gpu.update_leaves([jnp.ones(3)], [jnp.zeros(3)], [jnp.zeros(3)], [None], [False], [jnp.float32], s,
+                             adamw_mode=True, block_size=1000)
+
+
+# --- what a GPU would be given -----------------------------------------------
+
+def lower_for_cuda(tx, n_leaves, dtype=jnp.bfloat16, fused=True):
+  params = {f"w{i:04d}": jax.ShapeDtypeStruct((100 + i,), dtype) for i in range(n_leaves)}
+  state = jax.eval_shape(tx.init, params)
+  if fused:
+    fn = jax.jit(tx.step, donate_argnums=(0, 1))
+    traced = fn.trace(params, state, params)
+  else:
+    fn = jax.jit(lambda g, s, p: tx.update(g, s, p))
+    traced = fn.trace(params, state, params)
+  return traced.lower(lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_cuda_lowering_has_a_few_triton_launches_whatever_the_number_of_leaves(fused):
+  tx = optax_hybrid.hybrid_adamw(optax_hybrid.warmup_cosine_schedule(1e-3, 100, 10), weight_decay=0.1,
+                                 kernel="pallas", skip_nonfinite=True)
+  per_launch = pallas_gpu.MAX_LEAVES_PER_LAUNCH
+  for n in (1, 64, 65, 200):
+    text = lower_for_cuda(tx, n, fused=fused)
+    assert pallas_gpu.gpu_launches(text) == -(-n // per_launch), n
+    # No per-leaf XLA arithmetic besides the launches: the update rule is
+    # inside the kernel (only the step's scalars are computed outside).
+    assert not re.search(r"stablehlo\.sqrt %\S+ : tensor<\d", text)
+  assert pallas_gpu.MAX_LEAVES_PER_LAUNCH == 64  # 64 leaves in one launch
+
+
+def test_cuda_lowering_aliases_params_and_moments_in_place():
+  tx = optax_hybrid.hybrid_adamw(1e-3, weight_decay=0.1, kernel="pallas")
+  text = lower_for_cuda(tx, 3, dtype=jnp.float32)
+  call = next(line for line in text.splitlines() if pallas_gpu._GPU_CUSTOM_CALL in line)
+  # 3 leaves: the new param, mu and nu of each overwrite their inputs.
+  assert call.count("#stablehlo.output_operand_alias<") == 9
+
+
+def test_auto_is_the_pallas_kernel_on_a_gpu(monkeypatch):
+  if jax.device_count() > 1:
+    pytest.skip("several devices: every kernel name runs the XLA rule")
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  assert kernels.resolve_kernel("auto", fused=True) is pallas_gpu.update_leaves
+  assert kernels.resolve_kernel("auto", fused=False) is pallas_gpu.update_leaves
+  assert kernels.resolve_kernel("xla", fused=True) is reference.update_leaves
+
+
+# --- through hybrid_adamw ----------------------------------------------------
+
+def tree(dtype, seed):
+  rng = np.random.default_rng(seed)
+  shapes = {"w": (37, 129), "b": (129,), "s": (), "e": (0, 4), "odd": (B + 5,)}
+  return {k: jnp.asarray(rng.normal(size=s), dtype) for k, s in shapes.items()}
+
+
+@pytest.mark.parametrize("memory_kind", [None, "pinned_host"])
+@pytest.mark.parametrize("pdtype", [jnp.float32, jnp.bfloat16])
+def test_pallas_equals_xla_through_hybrid_adamw(pdtype, memory_kind):
+  if memory_kind not in placement.available_memory_kinds():
+    pytest.skip(f"no {memory_kind} memory here")
+  params = tree(pdtype, 0)
+  grads = [tree(pdtype, 1 + i) for i in range(4)]
+  sched = optax_hybrid.warmup_cosine_schedule(1e-2, 6, 2, 1e-3)
+  mask = {"w": True, "b": False, "s": True, "e": True, "odd": True}
+  results = {}
+  for kernel in ("pallas", "xla"):
+    tx = optax_hybrid.hybrid_adamw(sched, weight_decay=0.1, mask=mask, mu_dtype=jnp.float32,
+                                   state_memory_kind=memory_kind, kernel=kernel)
+    step = jax.jit(tx.step)
+    update = jax.jit(lambda g, s, p: tx.update(g, s, p))
+    p, s = params, tx.init(params)
+    p2, s2 = params, tx.init(params)
+    for g in grads:
+      p, s = step(p, s, g)
+      u, s2 = update(g, s2, p2)
+      p2 = optax_hybrid.apply_updates(p2, u)
+    results[kernel] = (p, s, p2, s2)
+    # The state stays shaped like the params, in its memory kind.
+    mu = optax.tree_utils.tree_get(s, "mu")
+    assert jax.tree.map(jnp.shape, mu) == jax.tree.map(jnp.shape, params)
+    if memory_kind:
+      assert all(x.sharding.memory_kind == memory_kind for x in jax.tree.leaves(mu))
+  for got, want in zip(jax.tree.leaves(results["pallas"]), jax.tree.leaves(results["xla"])):
+    assert got.dtype == want.dtype
+    tol = 1e-5 if got.dtype == jnp.float32 else 2 * 2**-8  # two bf16 rounding steps
+    np.testing.assert_allclose(np.asarray(got, np.float64), np.asarray(want, np.float64), rtol=tol, atol=1e-6)
+
+
+def test_changing_hyperparameters_do_not_recompile():
+  params = tree(jnp.float32, 3)
+  grads = [tree(jnp.float32, 4 + i) for i in range(3)]
+  results = {}
+  for kernel in ("pallas", "xla"):
+    tx = optax.inject_hyperparams(optax_hybrid.hybrid_adamw, static_args=("kernel",))(
+        learning_rate=1e-2, weight_decay=0.1, kernel=kernel)
+    update = jax.jit(tx.update)
+    p, s = params, tx.init(params)
+    for i, g in enumerate(grads):
+      s.hyperparams["learning_rate"] = jnp.asarray(1e-2 / (i + 1), jnp.float32)
+      s.hyperparams["b2"] = jnp.asarray(0.999 - 0.01 * i, jnp.float32)
+      u, s = update(g, s, p)
+      p = optax_hybrid.apply_updates(p, u)
+    assert update._cache_size() == 1
+    results[kernel] = p
+  for k in params:
+    np.testing.assert_allclose(np.asarray(results["pallas"][k]), np.asarray(results["xla"][k]), rtol=1e-5,
+                               atol=1e-7)
