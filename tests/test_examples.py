@@ -28,8 +28,9 @@ def test_flax_nnx_mlp(capsys):
   assert "Adam moments in pinned_host memory" in capsys.readouterr().out
 
 
-def test_flax_train_state(capsys):
-  result = load("flax_train_state").main(["--steps", "120"])
+@pytest.mark.parametrize("contract", [[], ["--optax-contract"]], ids=["fused-step", "apply-gradients"])
+def test_flax_train_state(capsys, contract):
+  result = load("flax_train_state").main(["--steps", "120"] + contract)
   assert result["moment_memory_kinds"] == ["pinned_host"]
   assert result["final_accuracy"] > 0.9 > result["initial_accuracy"] + 0.2
   assert "test accuracy" in capsys.readouterr().out
