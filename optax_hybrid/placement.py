@@ -162,6 +162,30 @@ def zeros_placed(param: Any, dtype: Any, kind: str) -> Any:
   return jax.device_put(np.zeros(shape, dtype), sharding)
 
 
+def copy_placed(param: Any, dtype: Any, kind: str) -> Any:
+  """``param`` converted to ``dtype`` and placed in memory ``kind``, keeping its sharding.
+
+  The copy for host memory is converted on the host when the param is fully
+  addressable (a master copy for a model larger than device memory never
+  passes through the device).
+  """
+  if isinstance(param, jax.ShapeDtypeStruct):
+    return zeros_placed(param, dtype, kind)
+  if _compat.is_tracer(param):
+    return _compat.move(param.astype(dtype), _SPACE_OF_KIND[kind])
+  sharding = getattr(param, "sharding", None)
+  if sharding is None:
+    sharding = SingleDeviceSharding(jax.devices()[0])
+  if kind == DEVICE_KIND:
+    converted = jnp.asarray(param).astype(dtype)
+    if not getattr(param, "committed", False):
+      return converted
+    return jax.device_put(converted, sharding.with_memory_kind(kind))
+  if getattr(param, "is_fully_addressable", True):
+    return jax.device_put(np.asarray(param).astype(dtype), sharding.with_memory_kind(kind))
+  return jax.jit(lambda p: p.astype(dtype), out_shardings=sharding.with_memory_kind(kind))(param)
+
+
 def _replicated_like(sharding: Any) -> Any:
   """A device-memory sharding that replicates a scalar over ``sharding``'s devices."""
   if isinstance(sharding, jax.sharding.NamedSharding):
@@ -216,44 +240,79 @@ def run_placed_update(
     *,
     adamw_mode: bool,
     write_params: bool = False,
-) -> tuple[list, list, list]:
+    masters: Sequence[jax.Array | None] | None = None,
+    on_host: Sequence[bool] | None = None,
+) -> tuple[list, list, list, list]:
   """Runs ``kernel`` once on the device leaves and once, in host compute, on the host leaves.
 
   Each leaf is computed where its parameter lives (where its gradient lives
-  when ``params`` is not given). Moments keep the memory space they came in;
-  updates (new params, with ``write_params``) are returned in their
-  parameter's space.
+  when ``params`` is not given), or on the host where ``on_host`` says so (the
+  host tier). Moments and masters keep the memory space they came in; updates
+  (new params, with ``write_params``) are returned in their parameter's space.
+
+  A leaf with a master copy (``masters[i]`` not None) is stepped against the
+  master, which the kernel overwrites; the new parameter is the new master
+  rounded to the param's dtype, computed beside the master so that only the
+  low-precision value crosses to the param's memory. Its update, for the
+  Optax contract, is ``new_param - param`` in the master's dtype, computed
+  where the param lives: added back in that dtype it gives the new param
+  exactly.
+
+  Returns:
+    ``(updates or new params, new_mus, new_nus, new_masters)``.
   """
   n = len(grads)
-  compute_spaces = [
-      _compat.memory_space_of(p if p is not None else g) for g, p in zip(grads, params)
-  ]
+  masters = [None] * n if masters is None else list(masters)
+  on_host = [False] * n if on_host is None else list(on_host)
+  param_spaces = [_compat.memory_space_of(p if p is not None else g) for g, p in zip(grads, params)]
+  compute_spaces = [HOST if host else space for host, space in zip(on_host, param_spaces)]
   updates: list = [None] * n
   new_mus: list = [None] * n
   new_nus: list = [None] * n
+  new_masters: list = [None] * n
 
   for space in (DEVICE, HOST):
     idx = [i for i in range(n) if compute_spaces[i] == space]
     if not idx:
       continue
     pick = lambda xs: [xs[i] for i in idx]
-    # Parameters that are not read (no decay, no fused apply) are not moved either.
-    group_params = [params[i] if (decays[i] or write_params) else None for i in idx]
+    # Parameters that are not read (no decay, no fused apply, or a master
+    # stands in for them) are not moved either.
+    group_params = [params[i] if (decays[i] or write_params) and masters[i] is None else None for i in idx]
     operands = (
         _compat.move_all(pick(grads), space),
         _compat.move_all(pick(mus), space),
         _compat.move_all(pick(nus), space),
         [None if p is None else _compat.move(p, space) for p in group_params],
+        [None if w is None else _compat.move(w, space) for w in pick(masters)],
     )
     group_decays, group_dtypes = pick(decays), pick(update_dtypes)
+    param_dtypes = [None if masters[i] is None else jnp.asarray(params[i]).dtype for i in idx]
 
     # Host compute runs the XLA rule: a custom call there is typed as device
     # memory by JAX, and XLA compiles host compute for the host CPU anyway.
     group_kernel = kernel if space == DEVICE else reference.update_leaves
 
-    def step(g, m, v, p, s, group_decays=group_decays, group_dtypes=group_dtypes, group_kernel=group_kernel):
-      return group_kernel(g, m, v, p, group_decays, group_dtypes, s, adamw_mode=adamw_mode,
-                          write_params=write_params)
+    def step(g, m, v, p, w, s, group_decays=group_decays, group_dtypes=group_dtypes, group_kernel=group_kernel,
+             param_dtypes=param_dtypes):
+      k = len(g)
+      plain = [j for j in range(k) if w[j] is None]
+      mastered = [j for j in range(k) if w[j] is not None]
+      sub = lambda xs, js: [xs[j] for j in js]
+      first, out_m, out_v, out_w = [None] * k, [None] * k, [None] * k, [None] * k
+      if plain:
+        outs = group_kernel(sub(g, plain), sub(m, plain), sub(v, plain), sub(p, plain), sub(group_decays, plain),
+                            sub(group_dtypes, plain), s, adamw_mode=adamw_mode, write_params=write_params)
+        for j, a, b, c in zip(plain, *outs):
+          first[j], out_m[j], out_v[j] = a, b, c
+      if mastered:
+        outs = group_kernel(sub(g, mastered), sub(m, mastered), sub(v, mastered), sub(w, mastered),
+                            sub(group_decays, mastered), [w[j].dtype for j in mastered], s,
+                            adamw_mode=adamw_mode, write_params=True)
+        for j, a, b, c in zip(mastered, *outs):
+          out_w[j], out_m[j], out_v[j] = a, b, c
+          first[j] = a.astype(param_dtypes[j])
+      return first, out_m, out_v, out_w
 
     if space == HOST:
       host_scalars = type(scalars)(*(None if x is None else _compat.move(x, HOST) for x in scalars))
@@ -262,10 +321,36 @@ def run_placed_update(
     else:
       outs = step(*operands, scalars)
     for j, i in enumerate(idx):
-      updates[i] = outs[0][j]
+      updates[i] = _compat.move(outs[0][j], param_spaces[i])
       new_mus[i] = _compat.move(outs[1][j], _compat.memory_space_of(mus[i]))
       new_nus[i] = _compat.move(outs[2][j], _compat.memory_space_of(nus[i]))
-  return updates, new_mus, new_nus
+      if masters[i] is not None:
+        new_masters[i] = _compat.move(outs[3][j], _compat.memory_space_of(masters[i]))
+
+  if not write_params:
+    mastered = [i for i in range(n) if masters[i] is not None]
+    diffs = _subtract_where_params_live([updates[i] for i in mastered], [params[i] for i in mastered],
+                                        [update_dtypes[i] for i in mastered])
+    for i, d in zip(mastered, diffs):
+      updates[i] = d
+  return updates, new_mus, new_nus, new_masters
+
+
+def _subtract_where_params_live(new_params: Sequence[jax.Array], params: Sequence[jax.Array],
+                                dtypes: Sequence[Any]) -> list:
+  """``new - old`` in ``dtype`` per leaf, on the device or, for host-resident params, in host compute."""
+  diff = lambda a, b, dt: a.astype(dt) - b.astype(dt)
+  out = [None] * len(params)
+  host = [i for i, p in enumerate(params) if _compat.memory_space_of(p) == HOST]
+  for i, p in enumerate(params):
+    if i not in host:
+      out[i] = diff(new_params[i], p, dtypes[i])
+  if host:
+    fn = _compat.host_compute(lambda a, b: [diff(x, y, dtypes[i]) for x, y, i in zip(a, b, host)],
+                              out_memory_spaces=HOST)
+    for i, d in zip(host, fn([new_params[i] for i in host], [params[i] for i in host])):
+      out[i] = d
+  return out
 
 
 def all_finite(leaves: Sequence[jax.Array]) -> jax.Array:

@@ -12,7 +12,7 @@ import numpy as np
 import optax
 from optax._src import numerics
 
-from optax_hybrid import _compat, placement
+from optax_hybrid import _compat, placement, tiers as tiers_lib
 from optax_hybrid.kernels import resolve_kernel, step_scalars
 
 ScalarOrSchedule = Union[float, jax.Array, optax.Schedule]
@@ -29,12 +29,19 @@ class HybridAdamState(NamedTuple):
     nu: second moments, likewise in ``nu_dtype`` (real for complex params).
     skipped: int32 scalar, the number of steps skipped for non-finite
       gradients (``skip_nonfinite=True``); they do not advance ``count``.
+    master: with ``master_dtype``, the master copy of each lower-precision
+      param (a tree shaped like the params, ``None`` where a param keeps no
+      master), placed with the leaf's moments; ``None`` otherwise.
+    plan: each leaf's placement tier (:class:`optax_hybrid.tiers.Plan`),
+      static data that holds no arrays.
   """
 
   count: jax.Array
   mu: optax.Updates
   nu: optax.Updates
   skipped: jax.Array
+  master: Any = None
+  plan: Any = None
 
 
 class HybridAdamW(optax.GradientTransformationExtraArgs):
@@ -227,6 +234,9 @@ def _hybrid_adam(
     state_memory_kind: placement.MemoryKindSpec,
     kernel: str,
     skip_nonfinite: bool,
+    tiers: tiers_lib.TierSpec = None,
+    offload_fraction: float | None = None,
+    master_dtype: Any = None,
 ) -> optax.GradientTransformationExtraArgs:
   _check_range("b1", b1, low=0.0, high=1.0, high_open=True)
   _check_range("b2", b2, low=0.0, high=1.0, high_open=True)
@@ -243,21 +253,41 @@ def _hybrid_adam(
   if not isinstance(skip_nonfinite, (bool, np.bool_)):
     raise TypeError(f"hybrid_adamw: `skip_nonfinite` must be a Python bool, got {skip_nonfinite!r}.")
   placement.check_memory_kind_spec(state_memory_kind)
+  tiers_lib.check_tier_spec(tiers)
+  if tiers is not None and state_memory_kind is not None:
+    raise ValueError(
+        "hybrid_adamw: pass either `tiers` or `state_memory_kind`, not both: a tier sets where the "
+        "state lives ('device': device memory; 'host_state' and 'host': pinned_host).")
+  offload_fraction = tiers_lib.check_fraction("offload_fraction", offload_fraction)
+  if master_dtype is not None:
+    master_dtype = jnp.dtype(master_dtype)
+    if not jnp.issubdtype(master_dtype, jnp.floating):
+      raise ValueError(f"hybrid_adamw: `master_dtype` must be a real floating dtype such as jnp.float32, "
+                       f"got {master_dtype}.")
   kernel_for = {fused: resolve_kernel(kernel, fused=fused) for fused in (False, True)}
   decay_is_static_zero = _is_zero(weight_decay)
 
   def init_fn(params):
     _check_inexact_leaves(params, "params")
-    kinds = placement.resolve_state_kinds(params, state_memory_kind)
+    plan, kind_leaves = tiers_lib.resolve(params, tiers=tiers, state_memory_kind=state_memory_kind,
+                                          offload_fraction=offload_fraction)
+    treedef = jax.tree.structure(params)
+    kinds = treedef.unflatten(kind_leaves)
     dtypes = jax.tree_util.tree_map_with_path(
         lambda path, p: _moment_dtypes(p.dtype, mu_dtype, nu_dtype, path), params)
     # ``dtypes`` has a (mu, nu) tuple where params have a leaf.
     pick = lambda i: jax.tree.map(lambda p, d: d[i], params, dtypes)
     mu = jax.tree.map(placement.zeros_placed, params, pick(0), kinds)
     nu = jax.tree.map(placement.zeros_placed, params, pick(1), kinds)
+    master = None
+    if master_dtype is not None:
+      master = treedef.unflatten([
+          placement.copy_placed(p, master_dtype, k) if tiers_lib.master_needed(p.dtype, master_dtype) else None
+          for p, k in zip(jax.tree.leaves(params), kind_leaves)])
     state_leaves = jax.tree.leaves(mu) + jax.tree.leaves(nu)
     count = placement.step_counter_like(state_leaves)
-    return HybridAdamState(count=count, mu=mu, nu=nu, skipped=placement.step_counter_like(state_leaves))
+    return HybridAdamState(count=count, mu=mu, nu=nu, skipped=placement.step_counter_like(state_leaves),
+                           master=master, plan=plan)
 
   def step(updates, state, params, write_params):
     if not isinstance(state, HybridAdamState):
@@ -309,6 +339,24 @@ def _hybrid_adam(
           "hybrid_adamw: tx.step(params, state, grads) needs `params`."
       )
 
+    master_leaves = [None] * len(grad_leaves)
+    if state.master is not None:
+      try:
+        master_leaves = treedef.flatten_up_to(state.master)
+      except (ValueError, TypeError) as e:
+        raise ValueError(
+            "hybrid_adamw: the state's master weights do not match the gradients' tree structure; "
+            "pass gradients for the params the state was initialized with.") from e
+      if params is None and any(w is not None for w in master_leaves):
+        raise ValueError(
+            "hybrid_adamw: with master weights, `params` is required: call tx.update(grads, state, "
+            "params) (the update is new_param - param).")
+    plan = state.plan
+    if plan is not None and len(plan.tiers) != len(grad_leaves):
+      raise ValueError(
+          f"hybrid_adamw: the state's placement plan has {len(plan.tiers)} leaves but the gradients "
+          f"have {len(grad_leaves)}; pass gradients for the params the state was initialized with.")
+
     count = state.count
     lr = learning_rate(count) if callable(learning_rate) else learning_rate
     step_ok = placement.all_finite(grad_leaves) if skip_nonfinite else None
@@ -317,10 +365,10 @@ def _hybrid_adam(
       out_dtypes = [jnp.asarray(p).dtype for p in param_leaves]
     else:
       out_dtypes = [
-          jnp.result_type(g.dtype, m.dtype, v.dtype)
-          for g, m, v in zip(grad_leaves, mu_leaves, nu_leaves)
+          jnp.result_type(g.dtype, m.dtype, v.dtype) if w is None else w.dtype
+          for g, m, v, w in zip(grad_leaves, mu_leaves, nu_leaves, master_leaves)
       ]
-    new_updates, new_mu, new_nu = placement.run_placed_update(
+    new_updates, new_mu, new_nu, new_master = placement.run_placed_update(
         kernel_for[write_params],
         grad_leaves,
         mu_leaves,
@@ -331,6 +379,8 @@ def _hybrid_adam(
         scalars,
         adamw_mode=adamw_mode,
         write_params=write_params,
+        masters=master_leaves,
+        on_host=tiers_lib.host_leaves_mask(plan, len(grad_leaves)),
     )
     new_count, skipped = numerics.safe_increment(count), state.skipped
     if step_ok is not None:
@@ -341,6 +391,8 @@ def _hybrid_adam(
         mu=jax.tree.unflatten(treedef, new_mu),
         nu=jax.tree.unflatten(treedef, new_nu),
         skipped=skipped,
+        master=None if state.master is None else treedef.unflatten(new_master),
+        plan=plan,
     )
     return jax.tree.unflatten(treedef, new_updates), new_state
 
@@ -369,6 +421,8 @@ def scale_by_hybrid_adam(
     state_memory_kind: placement.MemoryKindSpec = None,
     kernel: str = "auto",
     skip_nonfinite: bool = False,
+    tiers: tiers_lib.TierSpec = None,
+    offload_fraction: float | None = None,
 ) -> optax.GradientTransformationExtraArgs:
   r"""The Adam direction, without the learning rate, for users who compose their own chain.
 
@@ -376,7 +430,8 @@ def scale_by_hybrid_adam(
   :math:`\lambda p` on masked leaves; so that
   ``optax.chain(scale_by_hybrid_adam(...), optax.scale_by_learning_rate(lr))``
   equals ``hybrid_adamw(lr, ...)``. Arguments are those of
-  :func:`hybrid_adamw`.
+  :func:`hybrid_adamw` (master weights need the learning rate inside the
+  step, so ``master_dtype`` is only offered there).
 
   Example:
     >>> import optax, optax_hybrid
@@ -399,6 +454,8 @@ def scale_by_hybrid_adam(
       state_memory_kind=state_memory_kind,
       kernel=kernel,
       skip_nonfinite=skip_nonfinite,
+      tiers=tiers,
+      offload_fraction=offload_fraction,
   )
   # A plain Optax transformation: the fused ``step`` applies a learning rate,
   # which this building block leaves to the chain (its internal rate is -1).
@@ -421,6 +478,9 @@ def hybrid_adamw(
     kernel: str = "auto",
     skip_nonfinite: bool = False,
     weight_decay_mask: MaskOrFn = None,
+    tiers: tiers_lib.TierSpec = None,
+    offload_fraction: float | None = None,
+    master_dtype: Any = None,
 ) -> HybridAdamW:
   r"""AdamW as ColossalAI's HybridAdam and ``torch.optim.AdamW`` compute it, with placeable state.
 
@@ -475,6 +535,24 @@ def hybrid_adamw(
       incremented. Costs one reduction over the gradients, no extra pass over
       the moments (the choice is made inside the fused step).
     weight_decay_mask: alias of ``mask``, as ``optax.adamw`` names it.
+    tiers: where each leaf's state lives and where its update runs, instead
+      of ``state_memory_kind``: ``"device"``, ``"host_state"`` (moments in
+      ``pinned_host``, updated on the device) or ``"host"`` (moments and
+      master in ``pinned_host``, updated on the host CPU: the gradient moves
+      to the host, only the new param moves back). A tier name, a callable
+      ``(path, param) -> tier or None``, or a tree of tier names shaped like
+      the params (or a prefix of it). See :mod:`optax_hybrid.tiers`.
+    offload_fraction: move this fraction of the params, by size, to the
+      ``"host"`` tier, the rest updating on the device at the same time (like
+      Twin-Flow's ratio). Leaves are taken in ``jax.tree.leaves`` order, each
+      one when at least half of it falls within the fraction
+      (:func:`optax_hybrid.tiers.pick_by_fraction`).
+    master_dtype: keep a master copy in this dtype (e.g. ``jnp.float32``) for
+      each lower-precision param (bf16, fp16), placed with its moments. The
+      step is computed against the master; the new param is the new master
+      rounded to the param's dtype (``tx.step``), and ``update`` returns, in
+      the master's dtype, the difference that makes ``apply_updates`` land
+      exactly on it. Small steps then accumulate instead of rounding away.
 
   All numeric hyperparameters may be traced, so
   ``optax.inject_hyperparams(hybrid_adamw)(...)`` works and changing an
@@ -524,4 +602,7 @@ def hybrid_adamw(
       state_memory_kind=state_memory_kind,
       kernel=kernel,
       skip_nonfinite=skip_nonfinite,
+      tiers=tiers,
+      offload_fraction=offload_fraction,
+      master_dtype=master_dtype,
   )

@@ -1,0 +1,187 @@
+"""Placement tiers: where each leaf's optimizer state lives and where its update runs.
+
+A tier per parameter leaf, chosen once by ``init`` and carried in the state as
+static data (a :class:`Plan`, no arrays), so every later ``update`` places the
+work the same way without looking at the params again:
+
+========== =================================== ==========================================
+tier        moments (and fp32 master, if any)   update computed
+========== =================================== ==========================================
+device      device memory                       on the device (the fused kernel)
+host_state  host memory (``pinned_host``)       on the device: state streamed in and out
+host        host memory (``pinned_host``)       on the host CPU (XLA host compute): the
+                                                gradient moves to the host and only the
+                                                new parameter (or update) moves back
+========== =================================== ==========================================
+
+For bf16 params with an fp32 master, the ``host`` tier moves 2 bytes per
+parameter to the host and 2 back per step (ZeRO-Offload's split), while
+``host_state`` moves 12 each way (master and moments) but computes on the
+device.
+
+Parameters that themselves live in host memory are always updated on the
+host; their tier is reported as ``host``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+from typing import Any, Sequence
+
+import jax
+import numpy as np
+
+from optax_hybrid import placement
+
+DEVICE_TIER, HOST_STATE_TIER, HOST_TIER = "device", "host_state", "host"
+TIERS = (DEVICE_TIER, HOST_STATE_TIER, HOST_TIER)
+_STATE_KIND = {DEVICE_TIER: placement.DEVICE_KIND, HOST_STATE_TIER: placement.HOST_KIND,
+               HOST_TIER: placement.HOST_KIND}
+
+TierSpec = Any  # None | str | Callable[[tuple, Any], str | None] | a pytree prefix of str
+
+
+@jax.tree_util.register_static
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  """Each leaf's tier, in the order of the params' leaves. Static: part of the tree structure.
+
+  Attributes:
+    tiers: one of :data:`TIERS` per parameter leaf.
+  """
+
+  tiers: tuple[str, ...]
+
+  def on_host(self) -> list[bool]:
+    """Per leaf: is the update computed on the host?"""
+    return [t == HOST_TIER for t in self.tiers]
+
+
+def check_tier_spec(spec: TierSpec) -> None:
+  """Early validation of ``tiers`` when the optimizer is built."""
+  if spec is None or callable(spec):
+    return
+  for leaf in jax.tree.leaves(spec):
+    _check_tier(leaf, "tiers")
+
+
+def _check_tier(tier: Any, argument: str) -> str:
+  if not isinstance(tier, str) or tier not in TIERS:
+    raise ValueError(
+        f"hybrid_adamw: `{argument}`={tier!r} is not a tier; use one of "
+        f"{', '.join(repr(t) for t in TIERS)} (or None for the default placement)."
+    )
+  return tier
+
+
+def check_fraction(name: str, value: Any) -> float | None:
+  """A fraction of params in [0, 1], or None."""
+  if value is None:
+    return None
+  if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(float(value)) \
+      or not 0.0 <= float(value) <= 1.0:
+    raise ValueError(f"hybrid_adamw: `{name}` must be a number in [0, 1] (a fraction of the params, by "
+                     f"size), got {value!r}.")
+  return float(value)
+
+
+def _spec_leaves(spec: TierSpec, params: Any) -> list:
+  """Per params leaf: the tier ``spec`` asks for, or None."""
+  if spec is None:
+    return [None] * len(jax.tree.leaves(params))
+  if isinstance(spec, str):
+    return [_check_tier(spec, "tiers")] * len(jax.tree.leaves(params))
+  if callable(spec):
+    out = []
+    for path, param in jax.tree_util.tree_leaves_with_path(params):
+      tier = spec(path, param)
+      out.append(None if tier is None else _check_tier(tier, f"tiers({jax.tree_util.keystr(path)})"))
+    return out
+  treedef = jax.tree.structure(params)
+  try:
+    # A prefix of the params tree: one tier for a whole subtree.
+    leaves = treedef.flatten_up_to(jax.tree.map(
+        lambda t, sub: jax.tree.map(lambda _: t, sub), spec, treedef.unflatten([0] * treedef.num_leaves),
+        is_leaf=lambda x: x is None))
+  except (ValueError, TypeError) as e:
+    raise ValueError(
+        "hybrid_adamw: `tiers` must be a tier name, a callable (path, param) -> tier, or a tree with "
+        f"the structure of the params (or a prefix of it); params: {treedef}, tiers: "
+        f"{jax.tree.structure(spec)}.") from e
+  return [None if t is None else _check_tier(t, "tiers") for t in leaves]
+
+
+def pick_by_fraction(sizes: Sequence[int], fraction: float, eligible: Sequence[bool]) -> list[bool]:
+  """Which leaves make up ``fraction`` of the params, by size: deterministic, in leaf order.
+
+  Leaves are taken in the params' flattening order (``jax.tree.leaves``), and a
+  leaf is taken when at least half of it falls below the target
+  ``fraction * total``: the chosen size is the target rounded to the nearest
+  leaf boundary, off by at most half a leaf.
+  """
+  total = sum(sizes)
+  target = fraction * total
+  taken, running = [False] * len(sizes), 0
+  for i, (size, ok) in enumerate(zip(sizes, eligible)):
+    if not ok:
+      continue
+    if running + size / 2 <= target and size > 0:
+      taken[i] = True
+      running += size
+  return taken
+
+
+def resolve(params: Any, *, tiers: TierSpec, state_memory_kind: placement.MemoryKindSpec,
+            offload_fraction: float | None) -> tuple[Plan, list[str]]:
+  """Each leaf's tier and its state's memory kind, in leaf order.
+
+  ``tiers`` (if given) chooses the tier; otherwise ``state_memory_kind`` does
+  (``"device"`` -> device, ``"pinned_host"`` -> host_state, ``None`` -> beside
+  the param). ``offload_fraction`` then moves that fraction of the params (by
+  size, :func:`pick_by_fraction`) to the host tier, taking leaves in order
+  among those not already there.
+  """
+  leaves = jax.tree.leaves(params)
+  param_kinds = [placement._param_memory_kind(p) for p in leaves]
+  wanted = _spec_leaves(tiers, params)
+  if tiers is None:
+    kinds = jax.tree.leaves(placement.resolve_state_kinds(params, state_memory_kind))
+  else:
+    kinds = [_STATE_KIND[t] if t is not None else k for t, k in zip(wanted, param_kinds)]
+  names = []
+  for want, kind, pkind in zip(wanted, kinds, param_kinds):
+    if pkind == placement.HOST_KIND:
+      names.append(HOST_TIER)  # computed on the host, wherever its state is
+    elif want is not None:
+      names.append(want)
+    else:
+      names.append(DEVICE_TIER if kind == placement.DEVICE_KIND else HOST_STATE_TIER)
+  if offload_fraction:
+    sizes = [int(np.prod(np.shape(p))) for p in leaves]
+    chosen = pick_by_fraction(sizes, offload_fraction, [n != HOST_TIER for n in names])
+    for i, take in enumerate(chosen):
+      if take:
+        names[i], kinds[i] = HOST_TIER, placement.HOST_KIND
+  if any(n == HOST_TIER for n in names):
+    devices = placement._devices_of(leaves[names.index(HOST_TIER)])
+    placement.check_memory_kind(placement.HOST_KIND, devices[0], argument="tiers")
+  return Plan(tuple(names)), kinds
+
+
+def master_needed(param_dtype: Any, master_dtype: Any) -> bool:
+  """Does a leaf of ``param_dtype`` keep a master copy in ``master_dtype``? Only for lower-precision floats."""
+  if master_dtype is None:
+    return False
+  param_dtype = np.dtype(param_dtype)
+  return (jax.numpy.issubdtype(param_dtype, jax.numpy.floating)
+          and param_dtype.itemsize < np.dtype(master_dtype).itemsize)
+
+
+def host_leaves_mask(plan: Plan | None, n: int) -> list[bool]:
+  return [False] * n if plan is None else plan.on_host()
+
+
+__all__ = ["DEVICE_TIER", "HOST_STATE_TIER", "HOST_TIER", "Plan", "TIERS", "TierSpec", "check_fraction",
+           "check_tier_spec", "master_needed", "pick_by_fraction", "resolve"]

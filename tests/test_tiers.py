@@ -1,0 +1,265 @@
+"""Tests for optax_hybrid.tiers: per-leaf tiers, offload_fraction and fp32 master weights."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import optax_hybrid
+from optax_hybrid import placement, tiers
+from optax_hybrid._compat import HOST
+
+needs_host = pytest.mark.skipif("pinned_host" not in placement.available_memory_kinds(),
+                                reason="no pinned_host memory on this backend")
+
+
+def make_params(dtype=jnp.float32, seed=0):
+  rng = np.random.default_rng(seed)
+  shapes = {"emb": (50, 8), "w1": (8, 16), "b1": (16,), "w2": (16, 4), "s": ()}
+  return jax.device_put({k: jnp.asarray(rng.normal(size=s), dtype) for k, s in shapes.items()}, jax.devices()[0])
+
+
+def grads_like(params, n, seed=1):
+  rng = np.random.default_rng(seed)
+  return [jax.tree.map(lambda p: jnp.asarray(rng.normal(size=p.shape), p.dtype), params) for _ in range(n)]
+
+
+def run(tx, params, grads, fused=True):
+  state = tx.init(params)
+  if fused:
+    step = jax.jit(tx.step)
+  else:
+    step = jax.jit(lambda p, s, g: (lambda u, s: (optax_hybrid.apply_updates(p, u), s))(*tx.update(g, s, p)))
+  for g in grads:
+    params, state = step(params, state, g)
+  return params, state
+
+
+# --- choosing tiers ------------------------------------------------------------
+
+def test_pick_by_fraction_takes_leaves_in_order_to_the_nearest_boundary():
+  # 10 + 30 + 60 = 100; 24% -> the first leaf (10) and not the second (10 + 30/2 > 24).
+  assert tiers.pick_by_fraction([10, 30, 60], 0.24, [True] * 3) == [True, False, False]
+  # 30%: 10 + 30/2 = 25 <= 30, so the second leaf is taken too.
+  assert tiers.pick_by_fraction([10, 30, 60], 0.30, [True] * 3) == [True, True, False]
+  assert tiers.pick_by_fraction([10, 30, 60], 1.0, [True] * 3) == [True] * 3
+  assert tiers.pick_by_fraction([10, 30, 60], 0.0, [True] * 3) == [False] * 3
+  # Ineligible leaves are passed over but count in the total.
+  assert tiers.pick_by_fraction([10, 30, 60], 0.5, [False, True, True]) == [False, True, False]
+
+
+@needs_host
+def test_tier_specs_string_callable_and_prefix():
+  params = {"enc": {"w": jnp.ones((4, 4)), "b": jnp.ones(4)}, "head": jnp.ones((4, 2))}
+  by_name = lambda t: tiers.resolve(params, tiers=t, state_memory_kind=None, offload_fraction=None)[0].tiers
+  # Leaves in jax.tree.leaves order: enc/b, enc/w, head.
+  assert by_name("host") == ("host",) * 3
+  assert by_name({"enc": "host_state", "head": "device"}) == ("host_state", "host_state", "device")
+  assert by_name(lambda path, p: "host" if p.ndim == 2 else None) == ("device", "host", "host")
+  plan, kinds = tiers.resolve(params, tiers=None, state_memory_kind="pinned_host", offload_fraction=0.5)
+  # 4 + 16 + 8 = 28 params; half is 14: enc/b (4) and enc/w (4 + 8 <= 14) move to the host tier.
+  assert plan.tiers == ("host", "host", "host_state")
+  assert kinds == ["pinned_host"] * 3
+
+
+def test_bad_tier_arguments_are_named():
+  with pytest.raises(ValueError, match="`tiers`='gpu' is not a tier"):
+    optax_hybrid.hybrid_adamw(1e-3, tiers="gpu")
+  with pytest.raises(ValueError, match="either `tiers` or `state_memory_kind`"):
+    optax_hybrid.hybrid_adamw(1e-3, tiers="host", state_memory_kind="pinned_host")
+  with pytest.raises(ValueError, match=r"`offload_fraction` must be a number in \[0, 1\]"):
+    optax_hybrid.hybrid_adamw(1e-3, offload_fraction=1.5)
+  with pytest.raises(ValueError, match="`master_dtype` must be a real floating dtype"):
+    optax_hybrid.hybrid_adamw(1e-3, master_dtype=jnp.int32)
+  tx = optax_hybrid.hybrid_adamw(1e-3, tiers=lambda path, p: "disk")
+  with pytest.raises(ValueError, match=r"`tiers\(\['w'\]\)`='disk' is not a tier"):
+    tx.init({"w": jnp.ones(3)})
+
+
+# --- every tier computes the same step -------------------------------------------
+
+@needs_host
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("tier_spec", ["host_state", "host", {"emb": "host", "w1": "device", "b1": "host",
+                                                               "w2": "host_state", "s": "host"}])
+def test_every_tier_equals_the_device_step(tier_spec, fused):
+  params, grads = make_params(), grads_like(make_params(), 4)
+  sched = optax_hybrid.warmup_cosine_schedule(1e-2, 4, 1, 1e-3)
+  kw = dict(weight_decay=0.1, mask={"emb": False, "w1": True, "b1": False, "w2": True, "s": True}, kernel="xla")
+  want, want_state = run(optax_hybrid.hybrid_adamw(sched, **kw), params, grads, fused)
+  got, state = run(optax_hybrid.hybrid_adamw(sched, tiers=tier_spec, **kw), params, grads, fused)
+  for k in params:
+    np.testing.assert_allclose(np.asarray(got[k]), np.asarray(want[k]), rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(np.asarray(state.mu[k]), np.asarray(want_state.mu[k]), rtol=1e-6, atol=1e-7)
+    # The state stays where its tier keeps it; params stay on the device.
+    expected = "device" if state.plan.tiers[list(sorted(params)).index(k)] == "device" else "pinned_host"
+    assert state.mu[k].sharding.memory_kind == expected
+    assert got[k].sharding.memory_kind == "device"
+
+
+def transfers(jaxpr):
+  """Bytes moved by device_put between memory spaces, (to host, to device), over a jaxpr and its sub-jaxprs."""
+  to_host = to_device = 0
+
+  def visit(jx):
+    nonlocal to_host, to_device
+    for eqn in jx.eqns:
+      for sub in placement._sub_jaxprs(eqn):
+        visit(sub)
+      if eqn.primitive.name != "device_put":
+        continue
+      for a, b in zip(eqn.invars, eqn.outvars):
+        src, dst = getattr(a.aval, "memory_space", None), b.aval.memory_space
+        size = int(np.prod(b.aval.shape)) * b.aval.dtype.itemsize
+        if dst == HOST and src != HOST:
+          to_host += size
+        elif src == HOST and dst != HOST:
+          to_device += size
+
+  visit(jaxpr.jaxpr)
+  return to_host, to_device
+
+
+@needs_host
+def test_host_tier_moves_only_the_gradient_and_the_new_param_for_bf16_with_a_master():
+  params = make_params(jnp.bfloat16)
+  n = sum(p.size for p in jax.tree.leaves(params))
+  kw = dict(weight_decay=0.1, mu_dtype=jnp.float32, nu_dtype=jnp.float32, master_dtype=jnp.float32)
+  host = optax_hybrid.hybrid_adamw(1e-3, tiers="host", **kw)
+  host_state = optax_hybrid.hybrid_adamw(1e-3, tiers="host_state", **kw)
+  g = grads_like(params, 1)[0]
+  host_jaxpr = jax.make_jaxpr(host.step)(params, host.init(params), g)
+  state_jaxpr = jax.make_jaxpr(host_state.step)(params, host_state.init(params), g)
+  scalars = 64  # the step's few float32 scalars, moved to the host once
+  to_host, to_device = transfers(host_jaxpr)
+  assert 2 * n <= to_host <= 2 * n + scalars  # the bf16 gradient
+  assert to_device == 2 * n  # the new bf16 param
+  # host_state streams master and both moments (12 B/param) each way instead.
+  assert transfers(state_jaxpr) == (12 * n, 12 * n)
+  # No device arithmetic on host values: the host tier computes inside host compute.
+  assert placement.host_arithmetic_outside_host_compute(host_jaxpr) == []
+
+
+def _depends_on(jaxpr, sources):
+  """The variables that (transitively) depend on ``sources`` in a flat jaxpr."""
+  tainted = set(sources)
+  for eqn in jaxpr.eqns:
+    if any(not isinstance(v, jax.extend.core.Literal) and v in tainted for v in eqn.invars):
+      tainted.update(eqn.outvars)
+  return tainted
+
+
+@needs_host
+def test_host_and_device_work_are_independent_in_the_graph():
+  params = make_params()
+  tx = optax_hybrid.hybrid_adamw(1e-3, weight_decay=0.1, offload_fraction=0.5, kernel="xla")
+  state = tx.init(params)
+  assert "host" in state.plan.tiers and "device" in state.plan.tiers
+  jaxpr = jax.make_jaxpr(tx.step)(params, state, grads_like(params, 1)[0]).jaxpr
+  host_calls = [e for e in jaxpr.eqns if e.primitive.name == "compute_on"]
+  assert len(host_calls) == 1  # one host region for every host-tier leaf
+  host_call = host_calls[0]
+  # Nothing the host region reads comes from the device-side update (beyond
+  # the per-step scalars, computed before both), and the device-side update
+  # reads nothing the host region produces.
+  device_math = [e for e in jaxpr.eqns if e.primitive.name in ("sqrt", "div") and e is not host_call
+                 and e.outvars[0].aval.shape != ()]
+  assert device_math
+  after_host = _depends_on(jaxpr, host_call.outvars)
+  assert not any(v in after_host for e in device_math for v in e.outvars)
+  after_device = _depends_on(jaxpr, [v for e in device_math for v in e.outvars])
+  assert not any(v in after_device for v in host_call.invars if not isinstance(v, jax.extend.core.Literal))
+
+
+@needs_host
+def test_offload_fraction_chooses_leaves_by_size_and_keeps_the_result():
+  params, grads = make_params(), grads_like(make_params(), 3)
+  want, _ = run(optax_hybrid.hybrid_adamw(1e-2, weight_decay=0.1, kernel="xla"), params, grads)
+  got, state = run(optax_hybrid.hybrid_adamw(1e-2, weight_decay=0.1, kernel="xla", offload_fraction=0.7),
+                   params, grads)
+  # Leaves in order b1 (16), emb (400), s (1), w1 (128), w2 (64): 609 params, 70% = 426.3:
+  # b1 and emb (416) fit; s (416.5 <= 426.3) too; w1 would need 416 + 1 + 64 > 426.3.
+  assert state.plan.tiers == ("host", "host", "host", "device", "device")
+  for k in params:
+    np.testing.assert_allclose(np.asarray(got[k]), np.asarray(want[k]), rtol=1e-6, atol=1e-7)
+
+
+# --- master weights ----------------------------------------------------------------
+
+@pytest.mark.parametrize("tier", [None, "host"])
+def test_bf16_with_a_master_converges_where_plain_bf16_stalls(tier):
+  if tier and "pinned_host" not in placement.available_memory_kinds():
+    pytest.skip("no pinned_host")
+  # Minimize 0.5 (w - 1.05)^2 from w = 1. Adam's steps are about lr = 1e-3,
+  # under half a bf16 ulp at 1.0 (2**-8 = 0.0039): each one rounds away.
+  target, lr, steps = 1.05, 1e-3, 120
+  grad = lambda w: {"w": (w["w"].astype(jnp.float32) - target).astype(w["w"].dtype)}
+  finals = {}
+  for name, dtype, master in (("fp32", jnp.float32, None), ("bf16", jnp.bfloat16, None),
+                              ("bf16+master", jnp.bfloat16, jnp.float32)):
+    tx = optax_hybrid.hybrid_adamw(lr, mu_dtype=jnp.float32, nu_dtype=jnp.float32, master_dtype=master,
+                                   tiers=tier)
+    w = jax.device_put({"w": jnp.ones((4,), dtype)}, jax.devices()[0])
+    state = tx.init(w)
+    step = jax.jit(lambda w, s: tx.step(w, s, grad(w)))
+    for _ in range(steps):
+      w, state = step(w, state)
+    finals[name] = np.asarray(w["w"], np.float32)
+    if master:
+      assert state.master["w"].dtype == jnp.float32
+      # The param is the master rounded to bf16.
+      np.testing.assert_array_equal(np.asarray(state.master["w"].astype(jnp.bfloat16), np.float32), finals[name])
+  assert np.all(finals["bf16"] == 1.0)  # stalled
+  assert np.all(finals["fp32"] > 1.04)  # 120 steps of ~1e-3 reach the target (overshooting a little)
+  # With the master, bf16 follows fp32 to within bf16 resolution at 1.05.
+  np.testing.assert_allclose(finals["bf16+master"], finals["fp32"], atol=2**-7)
+
+
+@pytest.mark.parametrize("memory_kind", [None, "pinned_host"])
+def test_master_update_lands_exactly_on_the_fused_step(memory_kind):
+  if memory_kind and memory_kind not in placement.available_memory_kinds():
+    pytest.skip("no pinned_host")
+  params = make_params(jnp.bfloat16)
+  grads = grads_like(params, 4)
+  kw = dict(weight_decay=0.1, master_dtype=jnp.float32, mu_dtype=jnp.float32, nu_dtype=jnp.float32,
+            state_memory_kind=memory_kind)
+  fused, fused_state = run(optax_hybrid.hybrid_adamw(1e-2, **kw), params, grads, fused=True)
+  contract, contract_state = run(optax_hybrid.hybrid_adamw(1e-2, **kw), params, grads, fused=False)
+  for k in params:
+    np.testing.assert_array_equal(np.asarray(fused[k], np.float32), np.asarray(contract[k], np.float32))
+    np.testing.assert_array_equal(np.asarray(fused_state.master[k]), np.asarray(contract_state.master[k]))
+  # Against a float64 AdamW on the master, rounded to bf16 at the end.
+  from numpy_reference import adamw_steps
+  p64 = {k: np.asarray(v, np.float64) for k, v in params.items()}
+  g64 = [{k: np.asarray(v, np.float64) for k, v in g.items()} for g in grads]
+  want, _, _ = adamw_steps(p64, g64, [1e-2] * 4, weight_decay=0.1)
+  for k in params:
+    np.testing.assert_allclose(np.asarray(fused_state.master[k]), want[-1][k], rtol=2e-5, atol=2e-6)
+
+
+def test_master_weights_only_for_lower_precision_leaves_and_need_params_for_update():
+  params = {"w": jnp.ones(3, jnp.bfloat16), "b": jnp.ones(3, jnp.float32)}
+  tx = optax_hybrid.hybrid_adamw(1e-3, master_dtype=jnp.float32)
+  state = tx.init(params)
+  assert state.master["b"] is None and state.master["w"].dtype == jnp.float32
+  assert optax.tree_utils.tree_get(state, "master")["w"].shape == (3,)
+  with pytest.raises(ValueError, match="with master weights, `params` is required"):
+    tx.update(params, state)
+
+
+@needs_host
+def test_tiers_and_master_survive_a_checkpoint(tmp_path):
+  pytest.importorskip("orbax.checkpoint")
+  params = make_params(jnp.bfloat16)
+  tx = optax_hybrid.hybrid_adamw(1e-3, tiers={"emb": "host", "w1": "host_state", "b1": "device", "w2": "host",
+                                              "s": "device"}, master_dtype=jnp.float32)
+  params, state = run(tx, params, grads_like(params, 2))
+  manager = optax_hybrid.checkpoint.manager(tmp_path / "ckpt")
+  optax_hybrid.checkpoint.save(manager, 2, {"params": params, "opt_state": state}, wait=True)
+  target = optax_hybrid.checkpoint.abstract_like({"params": params, "opt_state": state})
+  restored = optax_hybrid.checkpoint.restore(manager, target)
+  assert restored["opt_state"].plan == state.plan
+  for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves({"params": params, "opt_state": state})):
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+    assert a.sharding.memory_kind == b.sharding.memory_kind
