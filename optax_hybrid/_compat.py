@@ -79,6 +79,19 @@ Jaxpr = jax.extend.core.Jaxpr
 HOST_MEMORY_KINDS = ("pinned_host", "unpinned_host")
 
 
+def backends_are_initialized() -> bool:
+  """Whether a JAX backend has started (after which ``jax.distributed.initialize`` fails).
+
+  Private in JAX 0.10 and 0.11; assume started if it moves, which only loses
+  the early check of a memory kind's availability.
+  """
+  try:
+    from jax._src import xla_bridge
+    return bool(xla_bridge.backends_are_initialized())
+  except (ImportError, AttributeError):  # pragma: no cover - a future JAX
+    return True
+
+
 def is_host_kind(kind: Any) -> bool:
   """Whether a sharding's ``memory_kind`` names host memory."""
   return kind in HOST_MEMORY_KINDS

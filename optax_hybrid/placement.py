@@ -73,8 +73,18 @@ def check_memory_kind(kind: Any, device: jax.Device | None = None, *, argument: 
 
 
 def check_memory_kind_spec(spec: MemoryKindSpec) -> MemoryKindSpec:
-  """Early validation of ``state_memory_kind`` when the optimizer is built."""
+  """Early validation of ``state_memory_kind`` when the optimizer is built.
+
+  The name is always checked. Whether the devices offer the kind is checked
+  here only if a backend is already running: asking would start one, and
+  ``jax.distributed.initialize`` must precede that. ``init`` checks it then,
+  against each param's own devices.
+  """
   if spec is None or callable(spec):
+    return spec
+  if not _compat.backends_are_initialized():
+    if not isinstance(spec, str) or spec not in STATE_MEMORY_KINDS:
+      check_memory_kind(spec)  # raises the unsupported-name error before reaching a device
     return spec
   return check_memory_kind(spec)
 

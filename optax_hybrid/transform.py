@@ -13,7 +13,7 @@ import optax
 from optax._src import numerics
 
 from optax_hybrid import _compat, placement, tiers as tiers_lib
-from optax_hybrid.kernels import resolve_kernel, step_scalars
+from optax_hybrid.kernels import check_kernel_name, resolve_kernel, step_scalars
 
 ScalarOrSchedule = Union[float, jax.Array, optax.Schedule]
 MaskOrFn = Optional[Union[Any, Callable[[optax.Params], Any]]]
@@ -264,7 +264,16 @@ def _hybrid_adam(
     if not jnp.issubdtype(master_dtype, jnp.floating):
       raise ValueError(f"hybrid_adamw: `master_dtype` must be a real floating dtype such as jnp.float32, "
                        f"got {master_dtype}.")
-  kernel_for = {fused: resolve_kernel(kernel, fused=fused) for fused in (False, True)}
+  check_kernel_name(kernel)
+  # Resolved at the first step, not here: resolving reads the device count,
+  # which starts the backend, and on a cluster jax.distributed.initialize must
+  # come first. An optimizer built at import time must not prevent that.
+  resolved_kernels: dict[bool, Callable] = {}
+
+  def kernel_for(fused: bool) -> Callable:
+    if fused not in resolved_kernels:
+      resolved_kernels[fused] = resolve_kernel(kernel, fused=fused)
+    return resolved_kernels[fused]
   decay_is_static_zero = _is_zero(weight_decay)
 
   def init_fn(params):
@@ -369,7 +378,7 @@ def _hybrid_adam(
           for g, m, v, w in zip(grad_leaves, mu_leaves, nu_leaves, master_leaves)
       ]
     new_updates, new_mu, new_nu, new_master = placement.run_placed_update(
-        kernel_for[write_params],
+        kernel_for(write_params),
         grad_leaves,
         mu_leaves,
         nu_leaves,

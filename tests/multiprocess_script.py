@@ -60,6 +60,14 @@ def main() -> None:
 
   import jax
 
+  # Built before initialize, as a training script may do at import time:
+  # building the optimizer must not start a backend.
+  import optax_hybrid
+
+  sched = optax_hybrid.warmup_cosine_schedule(PEAK_LR, total_steps=TOTAL, warmup_steps=WARMUP, eta_min=ETA_MIN)
+  tx = optax_hybrid.hybrid_adamw(sched, b1=B1, b2=B2, eps=EPS, weight_decay=WEIGHT_DECAY,
+                                 mask=DECAY, state_memory_kind=args.memory_kind)
+
   # Both settings must precede the first use of a backend. "gloo" is already
   # the default on JAX 0.10; naming it keeps the run independent of any
   # JAX_CPU_COLLECTIVES_IMPLEMENTATION in the environment.
@@ -75,9 +83,6 @@ def main() -> None:
   import jax.numpy as jnp
   from jax.experimental import multihost_utils
   from jax.sharding import NamedSharding, PartitionSpec as P
-
-  # Imported after initialize: building the optimizer queries the devices.
-  import optax_hybrid
 
   n_devices = args.num_processes * args.local_devices
   assert jax.process_count() == args.num_processes, jax.process_count()
@@ -105,10 +110,6 @@ def main() -> None:
 
   batches = [(global_array(x, batch_spec), global_array(y, batch_spec)) for x, y in batches_np]
   assert not batches[0][0].is_fully_addressable  # the batch really is split across processes
-
-  sched = optax_hybrid.warmup_cosine_schedule(PEAK_LR, total_steps=TOTAL, warmup_steps=WARMUP, eta_min=ETA_MIN)
-  tx = optax_hybrid.hybrid_adamw(sched, b1=B1, b2=B2, eps=EPS, weight_decay=WEIGHT_DECAY,
-                                 mask=DECAY, state_memory_kind=args.memory_kind)
 
   def loss_fn(params, x, y):
     h = jnp.tanh(x @ params["w1"] + params["b1"])

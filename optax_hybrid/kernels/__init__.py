@@ -26,6 +26,20 @@ from optax_hybrid.kernels.reference import AdamScalars, step_scalars
 KERNEL_NAMES = ("auto", "xla", "native", "pallas")
 
 
+def check_kernel_name(kernel: str) -> str:
+  """Validates a ``kernel=`` argument without touching a backend.
+
+  Raises:
+    ValueError: for an unknown name.
+  """
+  if not isinstance(kernel, str) or kernel not in KERNEL_NAMES:
+    raise ValueError(
+        f"hybrid_adamw: unknown `kernel`={kernel!r}; accepted values are "
+        f"{', '.join(repr(k) for k in KERNEL_NAMES)}."
+    )
+  return kernel
+
+
 def resolve_kernel(kernel: str, *, fused: bool = False) -> Callable:
   """Maps a ``kernel=`` argument to the function that runs the step.
 
@@ -43,11 +57,7 @@ def resolve_kernel(kernel: str, *, fused: bool = False) -> Callable:
   Raises:
     ValueError: for an unknown name.
   """
-  if not isinstance(kernel, str) or kernel not in KERNEL_NAMES:
-    raise ValueError(
-        f"hybrid_adamw: unknown `kernel`={kernel!r}; accepted values are "
-        f"{', '.join(repr(k) for k in KERNEL_NAMES)}."
-    )
+  check_kernel_name(kernel)
   if kernel == "xla" or jax.device_count() > 1:
     return reference.update_leaves
   if kernel == "pallas" or (kernel == "auto" and jax.default_backend() == "gpu"):
@@ -63,4 +73,4 @@ def resolve_kernel(kernel: str, *, fused: bool = False) -> Callable:
   return reference.update_leaves
 
 
-__all__ = ["AdamScalars", "KERNEL_NAMES", "native_cpu", "pallas_gpu", "reference", "resolve_kernel", "step_scalars"]
+__all__ = ["AdamScalars", "KERNEL_NAMES", "check_kernel_name", "native_cpu", "pallas_gpu", "reference", "resolve_kernel", "step_scalars"]
