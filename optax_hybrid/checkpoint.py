@@ -8,7 +8,9 @@ host offloading; these helpers make that impossible.
 
 Orbax writes each step into a temporary directory and renames it when done, so
 a save interrupted midway (a killed process) leaves the previous checkpoint
-restorable. ``orbax-checkpoint`` is an optional dependency
+restorable. Disk-tier moments are saved too: their files' contents are read
+into the checkpoint, and restored into the files of the ``like`` state.
+``orbax-checkpoint`` is an optional dependency
 (``pip install "optax-hybrid[checkpoint]"``).
 
 Example:
@@ -25,7 +27,9 @@ from typing import Any
 
 import jax
 
-from optax_hybrid import _compat
+from optax_hybrid import _compat, disk
+
+_is_disk = lambda x: isinstance(x, disk.DiskMoment)
 
 
 def _orbax():
@@ -84,6 +88,8 @@ def save(checkpoint_manager, step: int, tree: Any, *, wait: bool = False) -> boo
   relying on the files.
   """
   ocp = _orbax()
+  # A disk-tier moment is a file name in the state: save its contents.
+  tree = jax.tree.map(lambda x: disk.read(x) if _is_disk(x) else x, tree, is_leaf=_is_disk)
   started = checkpoint_manager.save(int(step), args=ocp.args.StandardSave(tree))
   if wait:
     checkpoint_manager.wait_until_finished()
@@ -116,14 +122,26 @@ def restore(checkpoint_manager, like: Any, step: int | None = None) -> Any:
         f"no checkpoint for step {step} in {checkpoint_manager.directory}; "
         f"complete steps: {sorted(checkpoint_manager.all_steps())}"
     )
-  target = abstract_like(like)
+  target = jax.tree.map(lambda x: disk.read(x) if _is_disk(x) else x, abstract_like(like), is_leaf=_is_disk)
   restored = checkpoint_manager.restore(int(step), args=ocp.args.StandardRestore(target))
+
+  def into_files(x, liked):
+    # The values of ``like``'s disk-tier moments go into its files; the state keeps the file names.
+    if _is_disk(liked):
+      disk.write(liked, x)
+      return liked
+    return x
+
+  restored = jax.tree.map(into_files, restored, like, is_leaf=_is_disk)
 
   def place(x, t):
     # Guard against a backend or Orbax version that ignores the memory kind.
     sharding = getattr(t, "sharding", None)
+    if _is_disk(x):
+      return x
     if isinstance(x, jax.Array) and sharding is not None and x.sharding != sharding:
       x = jax.device_put(x, sharding)
     return _compat.match_type_to_sharding(x)
 
-  return jax.tree.map(place, restored, target)
+  target = abstract_like(like)
+  return jax.tree.map(place, restored, target, is_leaf=_is_disk)

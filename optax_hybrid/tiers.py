@@ -12,6 +12,9 @@ host_state  host memory (``pinned_host``)       on the device: state streamed in
 host        host memory (``pinned_host``)       on the host CPU (XLA host compute): the
                                                 gradient moves to the host and only the
                                                 new parameter (or update) moves back
+disk        moments in files (master in host    on the device, moments read from and
+            memory)                             written to their files around the step
+                                                (:mod:`optax_hybrid.disk`)
 ========== =================================== ==========================================
 
 For bf16 params with an fp32 master, the ``host`` tier moves 2 bytes per
@@ -35,10 +38,12 @@ import numpy as np
 
 from optax_hybrid import placement
 
-DEVICE_TIER, HOST_STATE_TIER, HOST_TIER = "device", "host_state", "host"
-TIERS = (DEVICE_TIER, HOST_STATE_TIER, HOST_TIER)
+DEVICE_TIER, HOST_STATE_TIER, HOST_TIER, DISK_TIER = "device", "host_state", "host", "disk"
+TIERS = (DEVICE_TIER, HOST_STATE_TIER, HOST_TIER, DISK_TIER)
+# What the state of a disk leaf is placed as: its moments are files, not memory.
+DISK_KIND = "disk"
 _STATE_KIND = {DEVICE_TIER: placement.DEVICE_KIND, HOST_STATE_TIER: placement.HOST_KIND,
-               HOST_TIER: placement.HOST_KIND}
+               HOST_TIER: placement.HOST_KIND, DISK_TIER: DISK_KIND}
 
 TierSpec = Any  # None | str | Callable[[tuple, Any], str | None] | a pytree prefix of str
 
@@ -134,14 +139,16 @@ def pick_by_fraction(sizes: Sequence[int], fraction: float, eligible: Sequence[b
 
 
 def resolve(params: Any, *, tiers: TierSpec, state_memory_kind: placement.MemoryKindSpec,
-            offload_fraction: float | None) -> tuple[Plan, list[str]]:
-  """Each leaf's tier and its state's memory kind, in leaf order.
+            offload_fraction: float | None, nvme_offload_fraction: float | None = None
+            ) -> tuple[Plan, list[str]]:
+  """Each leaf's tier and its state's memory kind (:data:`DISK_KIND` for files), in leaf order.
 
   ``tiers`` (if given) chooses the tier; otherwise ``state_memory_kind`` does
   (``"device"`` -> device, ``"pinned_host"`` -> host_state, ``None`` -> beside
-  the param). ``offload_fraction`` then moves that fraction of the params (by
-  size, :func:`pick_by_fraction`) to the host tier, taking leaves in order
-  among those not already there.
+  the param). ``nvme_offload_fraction`` then moves that fraction of the params
+  (by size, :func:`pick_by_fraction`) to the disk tier, and ``offload_fraction``
+  that fraction to the host tier, each taking leaves in order among those not
+  already moved.
   """
   leaves = jax.tree.leaves(params)
   param_kinds = [placement._param_memory_kind(p) for p in leaves]
@@ -158,14 +165,16 @@ def resolve(params: Any, *, tiers: TierSpec, state_memory_kind: placement.Memory
       names.append(want)
     else:
       names.append(DEVICE_TIER if kind == placement.DEVICE_KIND else HOST_STATE_TIER)
-  if offload_fraction:
-    sizes = [int(np.prod(np.shape(p))) for p in leaves]
-    chosen = pick_by_fraction(sizes, offload_fraction, [n != HOST_TIER for n in names])
-    for i, take in enumerate(chosen):
-      if take:
-        names[i], kinds[i] = HOST_TIER, placement.HOST_KIND
-  if any(n == HOST_TIER for n in names):
-    devices = placement._devices_of(leaves[names.index(HOST_TIER)])
+  sizes = [int(np.prod(np.shape(p))) for p in leaves]
+  for fraction, tier in ((nvme_offload_fraction, DISK_TIER), (offload_fraction, HOST_TIER)):
+    if fraction:
+      movable = [n not in (HOST_TIER, DISK_TIER) and k != placement.HOST_KIND for n, k in zip(names, param_kinds)]
+      for i, take in enumerate(pick_by_fraction(sizes, fraction, movable)):
+        if take:
+          names[i], kinds[i] = tier, _STATE_KIND[tier]
+  if any(n in (HOST_TIER, DISK_TIER) for n in names):
+    first = next(i for i, n in enumerate(names) if n in (HOST_TIER, DISK_TIER))
+    devices = placement._devices_of(leaves[first])
     placement.check_memory_kind(placement.HOST_KIND, devices[0], argument="tiers")
   return Plan(tuple(names)), kinds
 
@@ -183,5 +192,5 @@ def host_leaves_mask(plan: Plan | None, n: int) -> list[bool]:
   return [False] * n if plan is None else plan.on_host()
 
 
-__all__ = ["DEVICE_TIER", "HOST_STATE_TIER", "HOST_TIER", "Plan", "TIERS", "TierSpec", "check_fraction",
+__all__ = ["DEVICE_TIER", "DISK_KIND", "DISK_TIER", "HOST_STATE_TIER", "HOST_TIER", "Plan", "TIERS", "TierSpec", "check_fraction",
            "check_tier_spec", "master_needed", "pick_by_fraction", "resolve"]

@@ -12,7 +12,7 @@ import numpy as np
 import optax
 from optax._src import numerics
 
-from optax_hybrid import _compat, placement, tiers as tiers_lib
+from optax_hybrid import _compat, disk, placement, tiers as tiers_lib
 from optax_hybrid.kernels import check_kernel_name, resolve_kernel, step_scalars
 
 ScalarOrSchedule = Union[float, jax.Array, optax.Schedule]
@@ -75,6 +75,14 @@ class HybridAdamW(optax.GradientTransformationExtraArgs):
       >>> params, state = step(params, state, {"w": jnp.ones(3)})
     """
     return self.update.fused_step(params, state, grads)
+
+  def close(self) -> None:
+    """Removes the disk tier's files (and their temporary directory). A no-op without disk leaves.
+
+    Also done at interpreter exit. The state's disk leaves cannot be stepped
+    afterwards.
+    """
+    self.update.close()
 
 
 # ---------------------------------------------------------------------------
@@ -237,6 +245,8 @@ def _hybrid_adam(
     tiers: tiers_lib.TierSpec = None,
     offload_fraction: float | None = None,
     master_dtype: Any = None,
+    nvme_offload_fraction: float | None = None,
+    nvme_offload_dir: Any = None,
 ) -> optax.GradientTransformationExtraArgs:
   _check_range("b1", b1, low=0.0, high=1.0, high_open=True)
   _check_range("b2", b2, low=0.0, high=1.0, high_open=True)
@@ -259,6 +269,14 @@ def _hybrid_adam(
         "hybrid_adamw: pass either `tiers` or `state_memory_kind`, not both: a tier sets where the "
         "state lives ('device': device memory; 'host_state' and 'host': pinned_host).")
   offload_fraction = tiers_lib.check_fraction("offload_fraction", offload_fraction)
+  nvme_offload_fraction = tiers_lib.check_fraction("nvme_offload_fraction", nvme_offload_fraction)
+  if (offload_fraction or 0.0) + (nvme_offload_fraction or 0.0) > 1.0 + 1e-12:
+    raise ValueError(
+        f"hybrid_adamw: `offload_fraction` + `nvme_offload_fraction` is {offload_fraction + nvme_offload_fraction}"
+        "; together they can place at most all of the params (sum <= 1).")
+  if nvme_offload_dir is not None:
+    disk.check_directory(nvme_offload_dir)  # before any step, and before init writes anything
+  disk_store: list = []  # the DiskStore, made by the first init that places a leaf on disk
   if master_dtype is not None:
     master_dtype = jnp.dtype(master_dtype)
     if not jnp.issubdtype(master_dtype, jnp.floating):
@@ -279,21 +297,39 @@ def _hybrid_adam(
   def init_fn(params):
     _check_inexact_leaves(params, "params")
     plan, kind_leaves = tiers_lib.resolve(params, tiers=tiers, state_memory_kind=state_memory_kind,
-                                          offload_fraction=offload_fraction)
-    treedef = jax.tree.structure(params)
-    kinds = treedef.unflatten(kind_leaves)
-    dtypes = jax.tree_util.tree_map_with_path(
-        lambda path, p: _moment_dtypes(p.dtype, mu_dtype, nu_dtype, path), params)
-    # ``dtypes`` has a (mu, nu) tuple where params have a leaf.
-    pick = lambda i: jax.tree.map(lambda p, d: d[i], params, dtypes)
-    mu = jax.tree.map(placement.zeros_placed, params, pick(0), kinds)
-    nu = jax.tree.map(placement.zeros_placed, params, pick(1), kinds)
+                                          offload_fraction=offload_fraction,
+                                          nvme_offload_fraction=nvme_offload_fraction)
+    param_leaves, treedef = jax.tree.flatten(params)
+    moment_dtypes = [_moment_dtypes(p.dtype, mu_dtype, nu_dtype, path)
+                     for path, p in jax.tree_util.tree_leaves_with_path(params)]
+    if tiers_lib.DISK_KIND in kind_leaves:
+      for p, k in zip(param_leaves, kind_leaves):
+        if k == tiers_lib.DISK_KIND and len(placement._devices_of(p)) > 1:
+          raise ValueError(
+              "hybrid_adamw: the 'disk' tier needs single-device params (its ordered file callbacks "
+              "cannot run in a multi-device computation); keep sharded params in 'host' or 'host_state'.")
+      if not disk_store or disk_store[0].closed:
+        disk_store[:] = [disk.DiskStore(nvme_offload_dir)]
+
+    def moments(which):
+      out = []
+      for p, k, dts in zip(param_leaves, kind_leaves, moment_dtypes):
+        if k == tiers_lib.DISK_KIND:
+          out.append(disk_store[0].create(np.shape(p), dts[which]))
+        else:
+          out.append(placement.zeros_placed(p, dts[which], k))
+      return treedef.unflatten(out)
+
+    mu, nu = moments(0), moments(1)
+    memory_kinds = [placement.HOST_KIND if k == tiers_lib.DISK_KIND else k for k in kind_leaves]
     master = None
     if master_dtype is not None:
       master = treedef.unflatten([
           placement.copy_placed(p, master_dtype, k) if tiers_lib.master_needed(p.dtype, master_dtype) else None
-          for p, k in zip(jax.tree.leaves(params), kind_leaves)])
+          for p, k in zip(param_leaves, memory_kinds)])
     state_leaves = jax.tree.leaves(mu) + jax.tree.leaves(nu)
+    if not state_leaves:  # every moment on disk: the counter follows the params
+      state_leaves = [p for p in param_leaves if getattr(p, "committed", False)]
     count = placement.step_counter_like(state_leaves)
     return HybridAdamState(count=count, mu=mu, nu=nu, skipped=placement.step_counter_like(state_leaves),
                            master=master, plan=plan)
@@ -317,12 +353,17 @@ def _hybrid_adam(
       ) from e
     _check_inexact_leaves(updates, "gradient")
     for path, g, m in zip(treedef.flatten_up_to(_paths(treedef)), grad_leaves, mu_leaves):
+      if isinstance(m, disk.DiskMoment):
+        if disk_store and disk_store[0].closed:
+          raise ValueError(f"hybrid_adamw: the disk-tier files of {path} were removed by tx.close(); "
+                           "initialize a new state.")
+        m = jax.ShapeDtypeStruct(m.shape, np.dtype(m.dtype))
       if np.shape(g) != np.shape(m):
         raise ValueError(
             f"hybrid_adamw: the gradient at {path} has shape {np.shape(g)} but its "
             f"optimizer state has shape {np.shape(m)}."
         )
-      if jnp.iscomplexobj(g) != jnp.iscomplexobj(m):
+      if jnp.issubdtype(g.dtype, jnp.complexfloating) != jnp.issubdtype(m.dtype, jnp.complexfloating):
         raise TypeError(
             f"hybrid_adamw: the gradient at {path} has dtype {g.dtype} but its "
             f"first moment has dtype {m.dtype}: complex params need complex "
@@ -366,6 +407,15 @@ def _hybrid_adam(
           f"hybrid_adamw: the state's placement plan has {len(plan.tiers)} leaves but the gradients "
           f"have {len(grad_leaves)}; pass gradients for the params the state was initialized with.")
 
+    # Disk-tier moments: read before the update, written back after it.
+    on_disk = [i for i, m in enumerate(mu_leaves) if isinstance(m, disk.DiskMoment)]
+    stored = [mu_leaves[i] for i in on_disk] + [nu_leaves[i] for i in on_disk]
+    if on_disk:
+      loaded = disk.load_in_step(stored, after=state.count)
+      mu_leaves, nu_leaves = list(mu_leaves), list(nu_leaves)
+      for j, i in enumerate(on_disk):
+        mu_leaves[i], nu_leaves[i] = loaded[j], loaded[len(on_disk) + j]
+
     count = state.count
     lr = learning_rate(count) if callable(learning_rate) else learning_rate
     step_ok = placement.all_finite(grad_leaves) if skip_nonfinite else None
@@ -391,10 +441,17 @@ def _hybrid_adam(
         masters=master_leaves,
         on_host=tiers_lib.host_leaves_mask(plan, len(grad_leaves)),
     )
+    written = None
+    if on_disk:
+      written = disk.store_in_step(stored, [new_mu[i] for i in on_disk] + [new_nu[i] for i in on_disk])
+      for j, i in enumerate(on_disk):
+        new_mu[i], new_nu[i] = stored[j], stored[len(on_disk) + j]
     new_count, skipped = numerics.safe_increment(count), state.skipped
     if step_ok is not None:
       new_count = jnp.where(step_ok, new_count, count)
       skipped = jnp.where(step_ok, skipped, numerics.safe_increment(skipped))
+    if written is not None:
+      new_count = new_count + written  # the next step's read waits for this write
     new_state = HybridAdamState(
         count=new_count,
         mu=jax.tree.unflatten(treedef, new_mu),
@@ -412,7 +469,12 @@ def _hybrid_adam(
   def fused_step(params, state, grads):
     return step(grads, state, params, write_params=True)
 
+  def close():
+    for store in disk_store:
+      store.close()
+
   update_fn.fused_step = fused_step
+  update_fn.close = close
   return HybridAdamW(init_fn, update_fn)
 
 
@@ -432,6 +494,8 @@ def scale_by_hybrid_adam(
     skip_nonfinite: bool = False,
     tiers: tiers_lib.TierSpec = None,
     offload_fraction: float | None = None,
+    nvme_offload_fraction: float | None = None,
+    nvme_offload_dir: Any = None,
 ) -> optax.GradientTransformationExtraArgs:
   r"""The Adam direction, without the learning rate, for users who compose their own chain.
 
@@ -465,6 +529,8 @@ def scale_by_hybrid_adam(
       skip_nonfinite=skip_nonfinite,
       tiers=tiers,
       offload_fraction=offload_fraction,
+      nvme_offload_fraction=nvme_offload_fraction,
+      nvme_offload_dir=nvme_offload_dir,
   )
   # A plain Optax transformation: the fused ``step`` applies a learning rate,
   # which this building block leaves to the chain (its internal rate is -1).
@@ -490,6 +556,8 @@ def hybrid_adamw(
     tiers: tiers_lib.TierSpec = None,
     offload_fraction: float | None = None,
     master_dtype: Any = None,
+    nvme_offload_fraction: float | None = None,
+    nvme_offload_dir: Any = None,
 ) -> HybridAdamW:
   r"""AdamW as ColossalAI's HybridAdam and ``torch.optim.AdamW`` compute it, with placeable state.
 
@@ -546,16 +614,25 @@ def hybrid_adamw(
     weight_decay_mask: alias of ``mask``, as ``optax.adamw`` names it.
     tiers: where each leaf's state lives and where its update runs, instead
       of ``state_memory_kind``: ``"device"``, ``"host_state"`` (moments in
-      ``pinned_host``, updated on the device) or ``"host"`` (moments and
+      ``pinned_host``, updated on the device), ``"host"`` (moments and
       master in ``pinned_host``, updated on the host CPU: the gradient moves
-      to the host, only the new param moves back). A tier name, a callable
-      ``(path, param) -> tier or None``, or a tree of tier names shaped like
-      the params (or a prefix of it). See :mod:`optax_hybrid.tiers`.
+      to the host, only the new param moves back) or ``"disk"`` (moments in
+      files under ``nvme_offload_dir``, read and written around each step).
+      A tier name, a callable ``(path, param) -> tier or None``, or a tree of
+      tier names shaped like the params (or a prefix of it). See
+      :mod:`optax_hybrid.tiers`.
     offload_fraction: move this fraction of the params, by size, to the
       ``"host"`` tier, the rest updating on the device at the same time (like
       Twin-Flow's ratio). Leaves are taken in ``jax.tree.leaves`` order, each
       one when at least half of it falls within the fraction
       (:func:`optax_hybrid.tiers.pick_by_fraction`).
+    nvme_offload_fraction: move this fraction of the params, by size, to the
+      ``"disk"`` tier (chosen first, the same way), as HybridAdam's
+      ``nvme_offload_fraction``. Single-device params only.
+    nvme_offload_dir: the directory for the disk tier's files (it must exist
+      and be writable: checked here); ``None``: a new temporary directory.
+      Files are owner-only, never followed through symlinks, and removed by
+      ``tx.close()`` or at exit. See :mod:`optax_hybrid.disk`.
     master_dtype: keep a master copy in this dtype (e.g. ``jnp.float32``) for
       each lower-precision param (bf16, fp16), placed with its moments. The
       step is computed against the master; the new param is the new master
@@ -614,4 +691,6 @@ def hybrid_adamw(
       tiers=tiers,
       offload_fraction=offload_fraction,
       master_dtype=master_dtype,
+      nvme_offload_fraction=nvme_offload_fraction,
+      nvme_offload_dir=nvme_offload_dir,
   )

@@ -72,8 +72,8 @@ def test_bad_tier_arguments_are_named():
     optax_hybrid.hybrid_adamw(1e-3, offload_fraction=1.5)
   with pytest.raises(ValueError, match="`master_dtype` must be a real floating dtype"):
     optax_hybrid.hybrid_adamw(1e-3, master_dtype=jnp.int32)
-  tx = optax_hybrid.hybrid_adamw(1e-3, tiers=lambda path, p: "disk")
-  with pytest.raises(ValueError, match=r"`tiers\(\['w'\]\)`='disk' is not a tier"):
+  tx = optax_hybrid.hybrid_adamw(1e-3, tiers=lambda path, p: "nvme")
+  with pytest.raises(ValueError, match=r"`tiers\(\['w'\]\)`='nvme' is not a tier"):
     tx.init({"w": jnp.ones(3)})
 
 

@@ -1,0 +1,173 @@
+"""Tests for the disk tier (optax_hybrid.disk): moments in files, read and written around each step."""
+
+import os
+import stat
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import optax_hybrid
+from optax_hybrid import disk, placement
+
+needs_host = pytest.mark.skipif("pinned_host" not in placement.available_memory_kinds(),
+                                reason="no pinned_host memory on this backend")
+
+
+def make_params(dtype=jnp.float32):
+  rng = np.random.default_rng(0)
+  shapes = {"emb": (40, 8), "w": (8, 4), "b": (4,), "s": ()}
+  return jax.device_put({k: jnp.asarray(rng.normal(size=s), dtype) for k, s in shapes.items()}, jax.devices()[0])
+
+
+def grads_like(params, n, seed=1):
+  rng = np.random.default_rng(seed)
+  return [jax.tree.map(lambda p: jnp.asarray(rng.normal(size=p.shape), p.dtype), params) for _ in range(n)]
+
+
+def run(tx, params, grads, fused=True, state=None):
+  state = tx.init(params) if state is None else state
+  if fused:
+    step = jax.jit(tx.step)
+  else:
+    step = jax.jit(lambda p, s, g: (lambda u, s: (optax_hybrid.apply_updates(p, u), s))(*tx.update(g, s, p)))
+  for g in grads:
+    params, state = step(params, state, g)
+  return params, state
+
+
+@needs_host
+@pytest.mark.parametrize("fused", [True, False])
+def test_disk_tier_equals_the_device_step_and_keeps_no_moment_arrays(fused, tmp_path):
+  params, grads = make_params(), grads_like(make_params(), 4)
+  kw = dict(weight_decay=0.1, skip_nonfinite=True, kernel="xla")
+  want, want_state = run(optax_hybrid.hybrid_adamw(1e-2, **kw), params, grads, fused)
+  tx = optax_hybrid.hybrid_adamw(1e-2, tiers={"emb": "disk", "w": "host", "b": "disk", "s": "device"},
+                                 nvme_offload_dir=tmp_path, **kw)
+  got, state = run(tx, params, grads, fused)
+  assert isinstance(state.mu["emb"], disk.DiskMoment) and isinstance(state.nu["b"], disk.DiskMoment)
+  assert len(jax.tree.leaves(state.mu)) == 2  # only w and s hold arrays
+  for k in params:
+    np.testing.assert_allclose(np.asarray(got[k]), np.asarray(want[k]), rtol=1e-6, atol=1e-7)
+  for k in ("emb", "b"):
+    np.testing.assert_allclose(disk.read(state.mu[k]), np.asarray(want_state.mu[k]), rtol=1e-6, atol=1e-8)
+    np.testing.assert_allclose(disk.read(state.nu[k]), np.asarray(want_state.nu[k]), rtol=1e-6, atol=1e-10)
+  # A skipped step leaves the files as they were.
+  before = disk.read(state.mu["emb"]).copy()
+  bad = jax.tree.map(lambda g: g * jnp.nan, grads[0])
+  _, state = run(tx, got, [bad], fused, state=state)
+  np.testing.assert_array_equal(disk.read(state.mu["emb"]), before)
+  tx.close()
+
+
+def test_files_are_private_and_removed_on_close():
+  params = make_params()
+  tx = optax_hybrid.hybrid_adamw(1e-2, tiers="disk")
+  state = tx.init(params)
+  files = [m.path for tree in (state.mu, state.nu)
+           for m in jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, disk.DiskMoment))]
+  directory = os.path.dirname(files[0])
+  assert len(files) == 8 and all(os.path.dirname(f) == directory for f in files)
+  assert stat.S_IMODE(os.stat(directory).st_mode) == 0o700
+  for f in files:
+    assert stat.S_IMODE(os.stat(f).st_mode) == 0o600
+  for k, p in params.items():
+    assert os.path.getsize(state.mu[k].path) == p.size * 4 == os.path.getsize(state.nu[k].path)
+  np.testing.assert_array_equal(disk.read(state.mu["emb"]), np.zeros((40, 8), np.float32))
+  tx.close()
+  assert not os.path.exists(directory)
+  with pytest.raises(ValueError, match="removed by tx.close"):
+    tx.step(params, state, params)
+
+
+def test_a_symlink_planted_in_place_of_a_file_is_refused_not_followed(tmp_path):
+  params = make_params()
+  outside = tmp_path / "outside.bin"
+  outside.write_bytes(b"keep me")
+  work = tmp_path / "work"
+  work.mkdir()
+  tx = optax_hybrid.hybrid_adamw(1e-2, tiers="disk", nvme_offload_dir=work)
+  state = tx.init(params)
+  target = state.mu["emb"].path
+  os.unlink(target)
+  os.symlink(outside, target)
+  with pytest.raises(Exception, match="(?i)symbolic links|too many levels|ELOOP|not a regular file"):
+    jax.block_until_ready(jax.jit(tx.step)(params, state, params))
+  assert outside.read_bytes() == b"keep me"
+  with pytest.raises(OSError):
+    disk.write(state.mu["emb"], np.zeros((40, 8), np.float32))
+  assert outside.read_bytes() == b"keep me"
+  tx.close()
+
+
+def test_bad_directories_are_refused_before_any_step(tmp_path):
+  with pytest.raises(ValueError, match="`nvme_offload_dir`=.* does not exist"):
+    optax_hybrid.hybrid_adamw(1e-3, nvme_offload_fraction=0.5, nvme_offload_dir=tmp_path / "missing")
+  (tmp_path / "file").write_text("x")
+  with pytest.raises(ValueError, match="is not a directory"):
+    optax_hybrid.hybrid_adamw(1e-3, nvme_offload_fraction=0.5, nvme_offload_dir=tmp_path / "file")
+  with pytest.raises(ValueError, match=r"`offload_fraction` \+ `nvme_offload_fraction`"):
+    optax_hybrid.hybrid_adamw(1e-3, offload_fraction=0.6, nvme_offload_fraction=0.6)
+
+
+def test_read_only_directory_is_refused(tmp_path):
+  if os.geteuid() == 0:
+    pytest.skip("root writes through directory permissions")
+  ro = tmp_path / "ro"
+  ro.mkdir()
+  ro.chmod(0o500)
+  try:
+    with pytest.raises(ValueError, match="is not writable"):
+      optax_hybrid.hybrid_adamw(1e-3, nvme_offload_fraction=0.5, nvme_offload_dir=ro)
+  finally:
+    ro.chmod(0o700)
+
+
+def test_nvme_offload_fraction_picks_leaves_by_size(tmp_path):
+  params = make_params()
+  # Leaves in order: b (4), emb (320), s (1), w (32): 357 params; 50% = 178.5:
+  # b (2 <= 178.5) and emb (4 + 160 <= 178.5) go to disk, then s (324.5) and w do not.
+  tx = optax_hybrid.hybrid_adamw(1e-3, nvme_offload_fraction=0.5, nvme_offload_dir=tmp_path)
+  state = tx.init(params)
+  assert state.plan.tiers == ("disk", "disk", "device", "device")
+  tx.close()
+
+
+@needs_host
+def test_disk_tier_with_a_master_and_bf16_params(tmp_path):
+  params = make_params(jnp.bfloat16)
+  grads = grads_like(params, 3)
+  kw = dict(weight_decay=0.1, master_dtype=jnp.float32, mu_dtype=jnp.float32, nu_dtype=jnp.float32)
+  want, want_state = run(optax_hybrid.hybrid_adamw(1e-2, **kw), params, grads)
+  tx = optax_hybrid.hybrid_adamw(1e-2, tiers="disk", nvme_offload_dir=tmp_path, **kw)
+  got, state = run(tx, params, grads)
+  assert state.master["emb"].sharding.memory_kind == "pinned_host"
+  for k in params:
+    np.testing.assert_array_equal(np.asarray(got[k], np.float32), np.asarray(want[k], np.float32))
+    np.testing.assert_allclose(np.asarray(state.master[k]), np.asarray(want_state.master[k]), rtol=1e-6)
+  tx.close()
+
+
+@needs_host
+def test_checkpoint_saves_and_restores_the_files(tmp_path):
+  pytest.importorskip("orbax.checkpoint")
+  params, grads = make_params(), grads_like(make_params(), 4)
+  tx = optax_hybrid.hybrid_adamw(1e-2, tiers={"emb": "disk", "w": "host", "b": "disk", "s": "device"},
+                                 nvme_offload_dir=tmp_path)
+  params, state = run(tx, params, grads[:2])
+  manager = optax_hybrid.checkpoint.manager(tmp_path / "ckpt")
+  optax_hybrid.checkpoint.save(manager, 2, {"params": params, "opt_state": state}, wait=True)
+  straight = run(tx, params, grads[2:], state=state)
+  # A new run (new files, zeros) restored from the checkpoint continues identically.
+  tx2 = optax_hybrid.hybrid_adamw(1e-2, tiers={"emb": "disk", "w": "host", "b": "disk", "s": "device"},
+                                  nvme_offload_dir=tmp_path)
+  fresh = {"params": make_params(), "opt_state": tx2.init(make_params())}
+  restored = optax_hybrid.checkpoint.restore(manager, fresh)
+  assert restored["opt_state"].mu["emb"].path == fresh["opt_state"].mu["emb"].path
+  resumed = run(tx2, restored["params"], grads[2:], state=restored["opt_state"])
+  for a, b in zip(jax.tree.leaves(straight[0]), jax.tree.leaves(resumed[0])):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  np.testing.assert_array_equal(disk.read(resumed[1].mu["emb"]), disk.read(straight[1].mu["emb"]))
+  tx.close()
+  tx2.close()
