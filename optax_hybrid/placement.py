@@ -138,6 +138,24 @@ def resolve_state_kinds(params: Any, spec: MemoryKindSpec) -> Any:
 # ---------------------------------------------------------------------------
 
 
+def placed_with(value: Any, shape: tuple, dtype: Any, sharding: Any, *, abstract: bool = False) -> Any:
+  """``value`` (an array, or None for zeros) in ``dtype``, placed with ``sharding`` (memory kind included).
+
+  Host-memory values are filled on the host when ``value`` is fully
+  addressable (or zeros), so they never pass through the device. With
+  ``abstract`` a ``jax.ShapeDtypeStruct`` describes the result instead.
+  """
+  if abstract:
+    return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+  if value is None:
+    if _compat.is_host_kind(sharding.memory_kind):
+      return jax.device_put(np.zeros(shape, dtype), sharding)
+    return jnp.zeros(shape, dtype, device=sharding)
+  if _compat.is_host_kind(sharding.memory_kind) and getattr(value, "is_fully_addressable", True):
+    return jax.device_put(np.asarray(value).astype(dtype), sharding)
+  return jax.jit(lambda v: v.astype(dtype), out_shardings=sharding)(value)
+
+
 def zeros_placed(param: Any, dtype: Any, kind: str) -> Any:
   """Zeros shaped like ``param`` in ``dtype``, placed in memory ``kind``.
 

@@ -55,9 +55,13 @@ class Plan:
 
   Attributes:
     tiers: one of :data:`TIERS` per parameter leaf.
+    param_shardings: with ``shard_state_over`` (ZeRO-1), per leaf the param's
+      sharding when its state was sharded further than the param (the update
+      is brought back to it), else None; ``None`` without ZeRO-1.
   """
 
   tiers: tuple[str, ...]
+  param_shardings: tuple | None = None
 
   def on_host(self) -> list[bool]:
     """Per leaf: is the update computed on the host?"""
@@ -177,6 +181,45 @@ def resolve(params: Any, *, tiers: TierSpec, state_memory_kind: placement.Memory
     devices = placement._devices_of(leaves[first])
     placement.check_memory_kind(placement.HOST_KIND, devices[0], argument="tiers")
   return Plan(tuple(names)), kinds
+
+
+def zero1_sharding(param: Any, axis: str) -> Any:
+  """The state sharding ZeRO-1 gives a leaf: the param's, split further over mesh ``axis``, or None.
+
+  The first dimension that the param's spec leaves unsharded and whose size
+  the axis divides is split over ``axis``; a leaf with no such dimension (a
+  scalar, odd sizes) or already split over ``axis`` keeps the param's sharding
+  (None is returned).
+
+  Raises:
+    ValueError: if the param is not placed with a ``NamedSharding`` on a mesh
+      that has ``axis``.
+  """
+  sharding = getattr(param, "sharding", None)
+  mesh = getattr(sharding, "mesh", None)
+  if not isinstance(sharding, jax.sharding.NamedSharding) or axis not in mesh.axis_names:
+    raise ValueError(
+        f"hybrid_adamw: `shard_state_over`={axis!r} needs params placed with a NamedSharding on a mesh "
+        f"that has that axis; got a param with sharding {sharding}.")
+  spec = list(sharding.spec) + [None] * (len(np.shape(param)) - len(sharding.spec))
+  used = {a for entry in spec if entry is not None for a in (entry if isinstance(entry, tuple) else (entry,))}
+  if axis in used:
+    return None
+  size = mesh.shape[axis]
+  for d, (entry, n) in enumerate(zip(spec, np.shape(param))):
+    if entry is None and n % size == 0 and n >= size:
+      spec[d] = axis
+      return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec))
+  return None
+
+
+def bring_back(x: Any, sharding: Any) -> Any:
+  """Constrains a traced update to its param's sharding (the all-gather of ZeRO-1)."""
+  sharding = jax.sharding.NamedSharding(sharding.mesh, sharding.spec)
+  explicit = getattr(jax.sharding.AxisType, "Explicit", None)
+  if explicit is not None and explicit in tuple(getattr(sharding.mesh, "axis_types", ())):
+    return jax.sharding.reshard(x, sharding)
+  return jax.lax.with_sharding_constraint(x, sharding)
 
 
 def master_needed(param_dtype: Any, master_dtype: Any) -> bool:

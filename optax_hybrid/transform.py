@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
 from typing import Any, Callable, NamedTuple, Optional, Union
@@ -247,6 +248,7 @@ def _hybrid_adam(
     master_dtype: Any = None,
     nvme_offload_fraction: float | None = None,
     nvme_offload_dir: Any = None,
+    shard_state_over: str | None = None,
 ) -> optax.GradientTransformationExtraArgs:
   _check_range("b1", b1, low=0.0, high=1.0, high_open=True)
   _check_range("b2", b2, low=0.0, high=1.0, high_open=True)
@@ -274,6 +276,8 @@ def _hybrid_adam(
     raise ValueError(
         f"hybrid_adamw: `offload_fraction` + `nvme_offload_fraction` is {offload_fraction + nvme_offload_fraction}"
         "; together they can place at most all of the params (sum <= 1).")
+  if shard_state_over is not None and not isinstance(shard_state_over, str):
+    raise TypeError(f"hybrid_adamw: `shard_state_over` must be a mesh axis name (a str), got {shard_state_over!r}.")
   if nvme_offload_dir is not None:
     disk.check_directory(nvme_offload_dir)  # before any step, and before init writes anything
   disk_store: list = []  # the DiskStore, made by the first init that places a leaf on disk
@@ -311,22 +315,35 @@ def _hybrid_adam(
       if not disk_store or disk_store[0].closed:
         disk_store[:] = [disk.DiskStore(nvme_offload_dir)]
 
+    memory_kinds = [placement.HOST_KIND if k == tiers_lib.DISK_KIND else k for k in kind_leaves]
+    zero = [None] * len(param_leaves)  # ZeRO-1: the state's sharding where it differs from the param's
+    if shard_state_over is not None:
+      zero = [tiers_lib.zero1_sharding(p, shard_state_over) if k != tiers_lib.DISK_KIND else None
+              for p, k in zip(param_leaves, kind_leaves)]
+      plan = dataclasses.replace(plan, param_shardings=tuple(
+          None if z is None else p.sharding for p, z in zip(param_leaves, zero)))
+
     def moments(which):
       out = []
-      for p, k, dts in zip(param_leaves, kind_leaves, moment_dtypes):
-        if k == tiers_lib.DISK_KIND:
+      for p, k, dts, z in zip(param_leaves, kind_leaves, moment_dtypes, zero):
+        if z is not None:
+          out.append(placement.placed_with(None, np.shape(p), dts[which], z.with_memory_kind(k),
+                                           abstract=isinstance(p, jax.ShapeDtypeStruct)))
+        elif k == tiers_lib.DISK_KIND:
           out.append(disk_store[0].create(np.shape(p), dts[which]))
         else:
           out.append(placement.zeros_placed(p, dts[which], k))
       return treedef.unflatten(out)
 
     mu, nu = moments(0), moments(1)
-    memory_kinds = [placement.HOST_KIND if k == tiers_lib.DISK_KIND else k for k in kind_leaves]
     master = None
     if master_dtype is not None:
       master = treedef.unflatten([
-          placement.copy_placed(p, master_dtype, k) if tiers_lib.master_needed(p.dtype, master_dtype) else None
-          for p, k in zip(param_leaves, memory_kinds)])
+          None if not tiers_lib.master_needed(p.dtype, master_dtype)
+          else placement.copy_placed(p, master_dtype, k) if z is None
+          else placement.placed_with(p, np.shape(p), master_dtype, z.with_memory_kind(k),
+                                     abstract=isinstance(p, jax.ShapeDtypeStruct))
+          for p, k, z in zip(param_leaves, memory_kinds, zero)])
     state_leaves = jax.tree.leaves(mu) + jax.tree.leaves(nu)
     if not state_leaves:  # every moment on disk: the counter follows the params
       state_leaves = [p for p in param_leaves if getattr(p, "committed", False)]
@@ -441,6 +458,12 @@ def _hybrid_adam(
         masters=master_leaves,
         on_host=tiers_lib.host_leaves_mask(plan, len(grad_leaves)),
     )
+    if plan is not None and plan.param_shardings is not None:
+      # ZeRO-1: each device computed its shard of the update; gather it back
+      # to the param's sharding (otherwise the sharding would leak into params).
+      for i, sharding in enumerate(plan.param_shardings):
+        if sharding is not None:
+          new_updates[i] = tiers_lib.bring_back(new_updates[i], sharding)
     written = None
     if on_disk:
       written = disk.store_in_step(stored, [new_mu[i] for i in on_disk] + [new_nu[i] for i in on_disk])
@@ -496,6 +519,7 @@ def scale_by_hybrid_adam(
     offload_fraction: float | None = None,
     nvme_offload_fraction: float | None = None,
     nvme_offload_dir: Any = None,
+    shard_state_over: str | None = None,
 ) -> optax.GradientTransformationExtraArgs:
   r"""The Adam direction, without the learning rate, for users who compose their own chain.
 
@@ -531,6 +555,7 @@ def scale_by_hybrid_adam(
       offload_fraction=offload_fraction,
       nvme_offload_fraction=nvme_offload_fraction,
       nvme_offload_dir=nvme_offload_dir,
+      shard_state_over=shard_state_over,
   )
   # A plain Optax transformation: the fused ``step`` applies a learning rate,
   # which this building block leaves to the chain (its internal rate is -1).
@@ -558,6 +583,7 @@ def hybrid_adamw(
     master_dtype: Any = None,
     nvme_offload_fraction: float | None = None,
     nvme_offload_dir: Any = None,
+    shard_state_over: str | None = None,
 ) -> HybridAdamW:
   r"""AdamW as ColossalAI's HybridAdam and ``torch.optim.AdamW`` compute it, with placeable state.
 
@@ -633,6 +659,13 @@ def hybrid_adamw(
       and be writable: checked here); ``None``: a new temporary directory.
       Files are owner-only, never followed through symlinks, and removed by
       ``tx.close()`` or at exit. See :mod:`optax_hybrid.disk`.
+    shard_state_over: ZeRO-1: a mesh axis name (e.g. ``"data"``) over which
+      the optimizer state (moments and master) is split even where the params
+      are replicated: each leaf's first dimension that its param leaves
+      unsharded and that the axis divides is split over it
+      (:func:`optax_hybrid.tiers.zero1_sharding`). Each device then updates
+      its shard and the update is gathered back to the param's sharding.
+      Params must be placed with a ``NamedSharding`` on a mesh with that axis.
     master_dtype: keep a master copy in this dtype (e.g. ``jnp.float32``) for
       each lower-precision param (bf16, fp16), placed with its moments. The
       step is computed against the master; the new param is the new master
@@ -693,4 +726,5 @@ def hybrid_adamw(
       master_dtype=master_dtype,
       nvme_offload_fraction=nvme_offload_fraction,
       nvme_offload_dir=nvme_offload_dir,
+      shard_state_over=shard_state_over,
   )

@@ -71,4 +71,78 @@ with tempfile.TemporaryDirectory() as d:
     assert a.sharding == b.sharding, (path, a.sharding, b.sharding)
     np.testing.assert_array_equal(np.asarray(jax.device_get(a)), np.asarray(jax.device_get(b)))
   again, _ = jstep(restored["params"], restored["opt"], shard(grads_np[0]))
+
+# The host tier with sharded params: each leaf updated in host compute, state
+# keeping the params' shardings in pinned_host; bf16 params with an fp32 master.
+tiered = optax_hybrid.hybrid_adamw(sched, weight_decay=0.1, tiers={"w": "host", "b": "host_state", "r": "device",
+                                                                    "h": "host"})
+params_t = shard(host_values)
+state_t = tiered.init(params_t)
+for k in ("w", "b", "h"):
+  assert state_t.mu[k].sharding == params_t[k].sharding.with_memory_kind("pinned_host"), k
+tstep = jax.jit(lambda p, s, g: tiered.step(p, s, g), donate_argnums=(0, 1))
+for g in grads_np:
+  params_t, state_t = tstep(params_t, state_t, shard(g))
+for k in shapes:
+  np.testing.assert_allclose(np.asarray(jax.device_get(params_t[k])), np.asarray(p1[k]), rtol=1e-6, atol=1e-7)
+  assert params_t[k].sharding.is_equivalent_to(NamedSharding(mesh, specs[k]), len(shapes[k])), k
+
+# ZeRO-1: replicated params, state split over "data" (moments and master), in
+# both memory kinds; the params stay replicated and equal the one-device run.
+def replicated():
+  return {k: jax.device_put(v, NamedSharding(mesh, P())) for k, v in host_values.items()}
+
+
+for kind in ("device", "pinned_host"):
+  zero = optax_hybrid.hybrid_adamw(sched, weight_decay=0.1, state_memory_kind=kind, shard_state_over="data")
+  pz = replicated()
+  sz = zero.init(pz)
+  # "w" (16, 6) and "h" (8, 5) split their first dimension over data (4); "b" (6,) and "r" (3,) cannot.
+  expected = {"w": P("data", None), "h": P("data", None), "b": P(), "r": P()}
+  for k in shapes:
+    for leaf in (sz.mu[k], sz.nu[k]):
+      assert leaf.sharding.memory_kind == kind, (k, leaf.sharding)
+      assert leaf.sharding.is_equivalent_to(NamedSharding(mesh, expected[k], memory_kind=kind), len(shapes[k])), (
+          k, leaf.sharding)
+  # Each device holds a quarter of w's moments.
+  assert sz.mu["w"].addressable_shards[0].data.shape == (4, 6)
+  zstep = jax.jit(step_fn := (lambda p, s, g, tx=zero: (lambda u, s: (optax_hybrid.apply_updates(p, u), s))(
+      *tx.update(g, s, p))), donate_argnums=(0, 1))
+  fused = jax.jit(zero.step, donate_argnums=(0, 1))
+  pf = replicated()
+  sf = zero.init(pf)
+  for g in grads_np:
+    gz = {k: jax.device_put(v, NamedSharding(mesh, P())) for k, v in g.items()}
+    pz, sz = zstep(pz, sz, gz)
+    pf, sf = fused(pf, sf, gz)
+  for k in shapes:
+    for got in (pz[k], pf[k]):
+      assert got.sharding.is_equivalent_to(NamedSharding(mesh, P()), len(shapes[k])), (kind, k, got.sharding)
+      np.testing.assert_allclose(np.asarray(jax.device_get(got)), np.asarray(p1[k]), rtol=1e-6, atol=1e-7)
+    assert sz.mu[k].sharding.is_equivalent_to(NamedSharding(mesh, expected[k], memory_kind=kind), len(shapes[k]))
+    np.testing.assert_allclose(np.asarray(jax.device_get(sz.nu[k])), np.asarray(s1.nu[k]), rtol=1e-6, atol=1e-12)
+
+# ZeRO-1 with bf16 params and an fp32 master split over "data".
+bf = {k: jax.device_put(v.astype(jnp.bfloat16), NamedSharding(mesh, P())) for k, v in host_values.items()}
+zm = optax_hybrid.hybrid_adamw(1e-2, state_memory_kind="pinned_host", shard_state_over="data",
+                               master_dtype=jnp.float32, mu_dtype=jnp.float32, nu_dtype=jnp.float32)
+szm = zm.init(bf)
+assert szm.master["w"].sharding.is_equivalent_to(NamedSharding(mesh, P("data", None), memory_kind="pinned_host"), 2)
+bf2, szm = jax.jit(zm.step)(bf, szm, {k: jnp.asarray(v, jnp.bfloat16) for k, v in grads_np[0].items()})
+np.testing.assert_array_equal(np.asarray(jax.device_get(bf2["w"]), np.float32),
+                              np.asarray(jax.device_get(szm.master["w"]).astype(jnp.bfloat16), np.float32))
+
+# ZeRO-1 on a mesh with Explicit axes (jax.make_mesh's default in JAX 0.10):
+# the update is resharded back instead of constrained.
+explicit = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
+pe = {"w": jax.device_put(host_values["w"], NamedSharding(explicit, P()))}
+ze = optax_hybrid.hybrid_adamw(1e-2, weight_decay=0.1, shard_state_over="data", state_memory_kind="pinned_host")
+se = ze.init(pe)
+assert se.mu["w"].sharding.spec == P("data", None), se.mu["w"].sharding
+pe2, se2 = jax.jit(ze.step)(pe, se, {"w": jax.device_put(grads_np[0]["w"], NamedSharding(explicit, P()))})
+assert pe2["w"].sharding.spec in (P(), P(None, None)), pe2["w"].sharding
+single = optax_hybrid.hybrid_adamw(1e-2, weight_decay=0.1)
+want, _ = jax.jit(single.step)({"w": jnp.asarray(host_values["w"])}, single.init({"w": jnp.asarray(host_values["w"])}),
+                               {"w": jnp.asarray(grads_np[0]["w"])})
+np.testing.assert_allclose(np.asarray(jax.device_get(pe2["w"])), np.asarray(want["w"]), rtol=1e-6)
 print("MULTIDEVICE OK")
