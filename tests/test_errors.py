@@ -57,6 +57,28 @@ def tmp_file():
   return path
 
 
+PARAMS_BF16 = jax.tree.map(lambda x: x.astype(jnp.bfloat16), PARAMS)
+GRADS_BF16 = jax.tree.map(lambda x: x.astype(jnp.bfloat16), GRADS)
+
+
+def closed_disk_state():
+  tx = hybrid(tiers="disk")
+  state = tx.init(PARAMS)
+  tx.close()
+  return tx.update(GRADS, state, PARAMS)
+
+
+class FakeShardedParam:
+  """A param whose sharding spans two devices (this process may have only one)."""
+
+  shape, dtype, ndim = (4,), np.dtype(np.float32), 1
+
+  def __init__(self):
+    memories = lambda: [types.SimpleNamespace(kind="device"), types.SimpleNamespace(kind="pinned_host")]
+    devices = [types.SimpleNamespace(platform="cpu", id=i, addressable_memories=memories) for i in range(2)]
+    self.sharding = types.SimpleNamespace(device_set=devices, memory_kind="device")
+
+
 def empty_manager():
   import tempfile
   return optax_hybrid.checkpoint.manager(tempfile.mkdtemp())
@@ -113,6 +135,20 @@ TRIGGERS = {
     "mask-traced": lambda: update_with(
         hybrid(weight_decay=0.1, mask=lambda p: jax.tree.map(lambda x: x.sum() > 0, p)), jit=True),
     "fused-needs-params": lambda: hybrid().step(None, hybrid().init(PARAMS), GRADS),
+    "tiers-unknown": lambda: hybrid(tiers={"w": "gpu", "b": "host"}),
+    "tiers-and-kind": lambda: hybrid(tiers="host", state_memory_kind="pinned_host"),
+    "tiers-tree": lambda: hybrid(tiers={"w": "host", "x": "device"}).init(PARAMS),
+    "offload-fraction": lambda: hybrid(offload_fraction=-0.1),
+    "offload-fraction-sum": lambda: hybrid(offload_fraction=0.7, nvme_offload_fraction=0.4),
+    "master-dtype": lambda: hybrid(master_dtype=jnp.complex64),
+    "master-needs-params": lambda: hybrid(master_dtype=jnp.float32).update(
+        GRADS_BF16, hybrid(master_dtype=jnp.float32).init(PARAMS_BF16)),
+    "nvme-dir-missing": lambda: hybrid(nvme_offload_fraction=0.5, nvme_offload_dir="/nonexistent/optax_hybrid"),
+    "nvme-dir-not-dir": lambda: hybrid(nvme_offload_fraction=0.5, nvme_offload_dir=tmp_file()),
+    "nvme-closed": closed_disk_state,
+    "nvme-sharded": lambda: hybrid(tiers="disk").init({"w": FakeShardedParam()}),
+    "zero1-type": lambda: hybrid(shard_state_over=0),
+    "zero1-no-mesh": lambda: hybrid(shard_state_over="data").init(PARAMS),
     "apply-tree": lambda: optax_hybrid.apply_updates(PARAMS, {"w": GRADS["w"]}),
     "checkpoint-not-dir": lambda: optax_hybrid.checkpoint.manager(tmp_file()),
     "checkpoint-none": lambda: optax_hybrid.checkpoint.restore(empty_manager(), like={"x": jnp.zeros(2)}),
