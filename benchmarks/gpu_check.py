@@ -18,6 +18,11 @@
    back to back and synchronized once. Medians of ``--reps`` rounds,
    interleaved. GB/s counts the 28 bytes per param an fp32 step must move;
    "of copy" divides it by section 2's bandwidth.
+5. Placement tiers on ~1B bf16 params (fp32 master and moments): device
+   memory by tier from ``compiled.memory_analysis()`` (device and ``host_*``
+   fields), step time per tier, the device<->host copy bandwidth measured in
+   the same run, and whether host and device work overlapped (a half/half
+   ``offload_fraction`` step against its two halves run alone).
 
 Exits non-zero if a correctness check failed (after printing every figure).
 """
@@ -269,6 +274,81 @@ def step_table(tree_name, shapes, reps, steps, bandwidth, torch_ok, host_moments
           f"{vs_torch} |", flush=True)
 
 
+# --- 5. placement tiers -------------------------------------------------------
+
+def host_bandwidth(n: int, reps: int) -> tuple[float, float]:
+  """GB/s of device->host and host->device copies of ``n`` fp32 elements, inside jit."""
+  device = jax.devices()[0]
+  on_device = jax.device_put(jnp.ones((n,), jnp.float32), device)
+  on_host = jax.device_put(np.ones((n,), np.float32), device.sharding.with_memory_kind("pinned_host")
+                           if hasattr(device, "sharding") else
+                           jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host"))
+  to_host = jax.jit(lambda x: jax.device_put(x, jax.memory.Space.Host))
+  to_device = jax.jit(lambda x: jax.device_put(x, jax.memory.Space.Device))
+  to_host(on_device).block_until_ready()
+  to_device(on_host).block_until_ready()
+  down = timed(lambda: to_host(on_device).block_until_ready(), reps)
+  up = timed(lambda: to_device(on_host).block_until_ready(), reps)
+  return n * 4 / down / 1e9, n * 4 / up / 1e9
+
+
+def tier_report(n_leaves: int, leaf: int, reps: int) -> None:
+  if "pinned_host" not in placement.available_memory_kinds():
+    print("no pinned_host memory here: tiers not measured", flush=True)
+    return
+  n = n_leaves * leaf
+  print(f"\n## 5. placement tiers: {n_leaves} bf16 leaves x {leaf / 2**20:.1f}M = {n / 1e9:.2f}B params, "
+        "fp32 master and moments", flush=True)
+  down, up = host_bandwidth(min(n, 2**28), reps)
+  print(f"device->host {down:.1f} GB/s, host->device {up:.1f} GB/s (jitted device_put of up to 1 GiB)", flush=True)
+  names = [f"l{i:03d}" for i in range(n_leaves)]
+  half = {k: ("host" if i < n_leaves // 2 else "device") for i, k in enumerate(names)}
+  setups = {
+      "device": dict(tiers="device"), "host_state": dict(tiers="host_state"), "host": dict(tiers="host"),
+      "half host / half device": dict(tiers=half),
+      "only the device half": dict(tiers="device", subset=[k for k in names if half[k] == "device"]),
+      "only the host half": dict(tiers="host", subset=[k for k in names if half[k] == "host"]),
+  }
+  device = jax.devices()[0]
+  times = {}
+  print(f"| {'tier':<24} | {'ms':>9} | {'device GiB (args+out+temp)':>26} | {'host GiB (args+out+temp)':>24} |"
+        f" {'bus GB/step':>11} |")
+  print(f"|{'-' * 26}|{'-' * 11}|{'-' * 28}|{'-' * 26}|{'-' * 13}|")
+  bus_bytes = {"device": 0, "host_state": 24 * n, "host": 4 * n, "half host / half device": 2 * n,
+               "only the device half": 0, "only the host half": 2 * n}
+  for name, setup in setups.items():
+    keys = setup.get("subset", names)
+    params = {k: jax.device_put(jnp.full((leaf,), 0.5, jnp.bfloat16), device) for k in keys}
+    grads = {k: jnp.full((leaf,), 1e-3, jnp.bfloat16) for k in keys}
+    tx = optax_hybrid.hybrid_adamw(LR, weight_decay=WD, tiers=setup["tiers"], master_dtype=jnp.float32,
+                                   mu_dtype=jnp.float32, nu_dtype=jnp.float32)
+    state = tx.init(params)
+    step = jax.jit(tx.step, donate_argnums=(0, 1))
+    compiled = step.lower(params, state, grads).compile()
+    mem = compiled.memory_analysis()
+    gib = lambda *xs: sum(xs) / 2**30
+    dev = gib(mem.argument_size_in_bytes, mem.output_size_in_bytes - mem.alias_size_in_bytes, mem.temp_size_in_bytes)
+    host = gib(getattr(mem, "host_argument_size_in_bytes", 0),
+               getattr(mem, "host_output_size_in_bytes", 0) - getattr(mem, "host_alias_size_in_bytes", 0),
+               getattr(mem, "host_temp_size_in_bytes", 0))
+    params, state = step(params, state, grads)
+    jax.block_until_ready(params)
+
+    def run():
+      nonlocal params, state
+      params, state = step(params, state, grads)
+      jax.block_until_ready(params)
+
+    times[name] = timed(run, reps)
+    print(f"| {name:<24} | {times[name] * 1e3:9.1f} | {dev:26.2f} | {host:24.2f} | "
+          f"{bus_bytes[name] / 1e9:11.2f} |", flush=True)
+    del params, state, grads
+  alone = times["only the device half"] + times["only the host half"]
+  both = times["half host / half device"]
+  print(f"overlap: the halves alone take {alone * 1e3:.1f} ms in sequence, together {both * 1e3:.1f} ms "
+        f"({'overlapped' if both < 0.9 * alone else 'not overlapped'}: {alone / both:.2f}x)", flush=True)
+
+
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--smoke", action="store_true", help="tiny sizes, to check the script anywhere")
@@ -314,6 +394,10 @@ def main(argv=None):
   for key in args.trees.split(","):
     name, shapes = tree_defs[key]
     step_table(name, shapes, reps, steps, bandwidth, torch_ok, host_moments=(key == "one"))
+  if smoke:
+    tier_report(4, 2**10, reps)
+  else:
+    tier_report(16, 2**26, min(reps, 5))  # 16 x 64M = 1.07B bf16 params
   print(f"\n{time.perf_counter() - start:.0f} s; {'all checks passed' if not FAILURES else 'FAILED: ' + ', '.join(FAILURES)}")
   return 1 if FAILURES else 0
 

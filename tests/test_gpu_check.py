@@ -22,7 +22,8 @@ def test_smoke_run_passes_its_checks_and_prints_every_section(capsys):
   gpu_check = load()
   assert gpu_check.main(["--smoke", "--trees", "one", "--reps", "1"]) == 0
   out = capsys.readouterr().out
-  for heading in ("## 1. correctness", "## 2. copy bandwidth", "## 3. Pallas block size", "## 4. step time"):
+  for heading in ("## 1. correctness", "## 2. copy bandwidth", "## 3. Pallas block size", "## 4. step time",
+                  "## 5. placement tiers", "overlap: the halves alone"):
     assert heading in out
   assert "FAIL" not in out and "all checks passed" in out
   for variant in ("optax.adamw", "ours pallas, tx.step", "ours xla, update+apply",
