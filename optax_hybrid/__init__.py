@@ -14,15 +14,24 @@ Public API:
 * :func:`host_arithmetic_outside_host_compute`: finds device arithmetic on
   host-resident values in a jaxpr.
 * :mod:`optax_hybrid.checkpoint`: Orbax save/restore that keeps memory kinds.
+* :func:`memory_report` / :class:`MemoryReport`: where training memory went,
+  by tier and by memory (device, host, disk).
+* :func:`standard_optimizer`: clipping, AdamW with warmup-cosine,
+  accumulation and parameter groups in one call; :func:`last_learning_rate`
+  reads the rate of the latest update from its state.
+* :mod:`optax_hybrid.tiers` and :mod:`optax_hybrid.disk`: placement tiers and
+  the disk tier.
 """
 
-from optax_hybrid import checkpoint
+from optax_hybrid import checkpoint, disk, recipe, report, tiers
 from optax_hybrid.placement import (
     STATE_MEMORY_KINDS,
     apply_updates,
     available_memory_kinds,
     host_arithmetic_outside_host_compute,
 )
+from optax_hybrid.recipe import last_learning_rate, standard_optimizer
+from optax_hybrid.report import MemoryReport, memory_report
 from optax_hybrid.schedules import warmup_cosine_schedule
 from optax_hybrid.transform import HybridAdamState, HybridAdamW, hybrid_adamw, scale_by_hybrid_adam
 
@@ -31,9 +40,17 @@ __version__ = "0.1.0"
 __all__ = [
     "HybridAdamState",
     "HybridAdamW",
+    "MemoryReport",
     "STATE_MEMORY_KINDS",
     "apply_updates",
     "checkpoint",
+    "disk",
+    "last_learning_rate",
+    "memory_report",
+    "recipe",
+    "report",
+    "standard_optimizer",
+    "tiers",
     "available_memory_kinds",
     "host_arithmetic_outside_host_compute",
     "hybrid_adamw",

@@ -39,6 +39,12 @@ def hybrid(**kwargs):
   return optax_hybrid.hybrid_adamw(**{"learning_rate": 1e-3, **kwargs})
 
 
+def recipe(**kw):
+  kw.setdefault("learning_rate", 1e-3)
+  kw.setdefault("total_steps", 100)
+  return optax_hybrid.recipe.standard_optimizer(**kw)
+
+
 def update_with(tx, grads=GRADS, params=PARAMS, jit=False):
   state = tx.init(PARAMS)
   update = jax.jit(tx.update) if jit else tx.update
@@ -149,6 +155,34 @@ TRIGGERS = {
     "nvme-sharded": lambda: hybrid(tiers="disk").init({"w": FakeShardedParam()}),
     "zero1-type": lambda: hybrid(shard_state_over=0),
     "zero1-no-mesh": lambda: hybrid(shard_state_over="data").init(PARAMS),
+    "recipe-lr-range": lambda: recipe(learning_rate=-1e-3),
+    "recipe-lr-callable": lambda: recipe(learning_rate=optax.constant_schedule(1e-3)),
+    "recipe-total-steps": lambda: optax_hybrid.recipe.standard_optimizer(1e-3),
+    "recipe-schedule-conflict": lambda: optax_hybrid.recipe.standard_optimizer(
+        schedule=optax.constant_schedule(1e-3), warmup=10),
+    "recipe-warmup-fraction": lambda: recipe(warmup=1.0),
+    "recipe-warmup-too-long": lambda: recipe(warmup=100),
+    "recipe-min-lr-twice": lambda: recipe(min_lr=1e-4, min_lr_ratio=0.1),
+    "recipe-min-lr-above-peak": lambda: recipe(min_lr=1e-2),
+    "recipe-clip-zero": lambda: recipe(max_grad_norm=0.0),
+    "recipe-accumulation": lambda: recipe(accumulation_steps=0),
+    "recipe-group-key": lambda: recipe(param_groups={"head/*": {"lr_mult": 2.0}}),
+    "recipe-group-frozen-options": lambda: recipe(param_groups={"b": {"frozen": True, "lr_multiplier": 2.0}}),
+    "recipe-group-pattern-type": lambda: recipe(param_groups={3: {}}),
+    "recipe-decay-mask-type": lambda: recipe(decay_mask={"w": True, "b": False}),
+    "recipe-mask-option": lambda: recipe(mask={"w": True, "b": False}),
+    "recipe-group-unmatched": lambda: recipe(param_groups={"haed/*": {"lr_multiplier": 2.0}}).init(PARAMS),
+    "recipe-group-shadowed": lambda: recipe(param_groups={"*": {"lr_multiplier": 2.0},
+                                                          "w": {"frozen": True}}).init(PARAMS),
+    "recipe-decay-mask-result": lambda: update_with(recipe(decay_mask=lambda path, p: p.ndim), jit=True),
+    "last-lr-no-record": lambda: optax_hybrid.recipe.last_learning_rate(hybrid().init(PARAMS)),
+    "report-traced": lambda: jax.jit(lambda p, s: optax_hybrid.report.memory_report(p, s).device_bytes)(
+        PARAMS, hybrid().init(PARAMS)),
+    "report-param-type": lambda: optax_hybrid.report.memory_report({"w": np.ones(3, np.float32)}, ()),
+    "report-state-path": lambda: optax_hybrid.report.memory_report({"v": PARAMS["w"]},
+                                                                   hybrid().init({"w": PARAMS["w"]})),
+    "report-state-shape": lambda: optax_hybrid.report.memory_report(
+        {"w": jnp.ones((7, 5))}, hybrid().init({"w": PARAMS["w"]})),
     "apply-tree": lambda: optax_hybrid.apply_updates(PARAMS, {"w": GRADS["w"]}),
     "checkpoint-not-dir": lambda: optax_hybrid.checkpoint.manager(tmp_file()),
     "checkpoint-none": lambda: optax_hybrid.checkpoint.restore(empty_manager(), like={"x": jnp.zeros(2)}),
