@@ -425,6 +425,87 @@ def _record_learning_rate(inner: optax.GradientTransformation, schedule: optax.S
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
+class AccumulationState(NamedTuple):
+  """State of :func:`accumulate_gradients`.
+
+  Attributes:
+    mini_step: int32 scalar, micro-batches accumulated since the last update.
+    acc_grads: the running mean of those micro-batches' gradients (float32 for
+      float32-or-narrower gradients, like ``optax.MultiSteps``).
+    inner_state: the wrapped transformation's state.
+  """
+
+  mini_step: jax.Array
+  acc_grads: Any
+  inner_state: Any
+
+
+def accumulate_gradients(inner: optax.GradientTransformation, every_k: int) -> optax.GradientTransformationExtraArgs:
+  r"""Averages ``every_k`` micro-batch gradients, then runs ``inner`` once: ``optax.MultiSteps`` for placed state.
+
+  .. math::
+
+    a_j = a_{j-1} + (g_j - a_{j-1}) / j, \qquad j = 1..k
+
+  and on micro-step :math:`k` the update is ``inner.update(a_k, ...)``; the
+  other micro-steps return zero updates and leave ``inner``'s state untouched.
+  The numbers equal ``optax.MultiSteps(inner, every_k)``. The difference is
+  where the work happens: the choice between "update" and "wait" is a
+  ``lax.cond``, so the inner update (and the streaming of host-resident
+  moments it implies) runs only on the final micro-step, and its state is
+  passed through unchanged otherwise. ``optax.MultiSteps`` runs the inner
+  update on every micro-step and selects the result with ``jnp.where``:
+  device arithmetic on host-memory state, which a GPU runs as slow host
+  compute.
+
+  Args:
+    inner: the transformation to run once per ``every_k`` micro-batches.
+    every_k: micro-batches per update, ``>= 1``.
+
+  Returns:
+    An ``optax.GradientTransformationExtraArgs`` with :class:`AccumulationState`.
+
+  Example:
+    >>> import jax.numpy as jnp, optax_hybrid
+    >>> tx = optax_hybrid.recipe.accumulate_gradients(optax_hybrid.hybrid_adamw(1e-3), every_k=4)
+    >>> state = tx.init({"w": jnp.ones(3)})
+  """
+  every_k = _integer("every_k", every_k, low=1)
+
+  def acc_dtype(dtype):
+    return jnp.promote_types(dtype, jnp.float32)
+
+  def init_fn(params):
+    acc = jax.tree.map(lambda p: placement.zeros_placed(p, acc_dtype(p.dtype), placement._param_memory_kind(p)),
+                       params)
+    inner_state = inner.init(params)
+    counts = [x for x in jax.tree.leaves(inner_state) if np.ndim(x) == 0]
+    return AccumulationState(placement.step_counter_like(counts + jax.tree.leaves(acc)), acc, inner_state)
+
+  def update_fn(updates, state, params=None, **extra_args):
+    j = state.mini_step + 1
+    acc = jax.tree.map(lambda a, g: a + (g.astype(a.dtype) - a) / j.astype(a.dtype), state.acc_grads, updates)
+
+    def final(operand):
+      acc, inner_state = operand
+      mean = jax.tree.map(lambda a, g: a.astype(g.dtype), acc, updates)
+      new_updates, new_inner = inner.update(mean, inner_state, params, **extra_args)
+      zero_acc = jax.tree.map(jnp.zeros_like, acc)
+      return new_updates, AccumulationState(jnp.zeros_like(state.mini_step), zero_acc, new_inner)
+
+    def wait(operand):
+      acc, inner_state = operand
+      # Zero updates shaped and typed like the ones the final step returns.
+      shapes = jax.eval_shape(lambda: inner.update(jax.tree.map(lambda a, g: a.astype(g.dtype), acc, updates),
+                                                   inner_state, params, **extra_args)[0])
+      zero_updates = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+      return zero_updates, AccumulationState(j, acc, inner_state)
+
+    return jax.lax.cond(j >= every_k, final, wait, (acc, state.inner_state))
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
 def _skip_together() -> optax.GradientTransformation:
   """Makes every gradient NaN when any is not finite, so that every group skips the step.
 
@@ -496,9 +577,10 @@ def standard_optimizer(
      weight_decay=0.1`` and :func:`optax_hybrid.warmup_cosine_schedule`
      (``warmup`` steps of linear warmup to ``learning_rate``, then a cosine to
      ``min_lr``), or any Optax ``schedule``;
-  3. ``optax.MultiSteps`` when ``accumulation_steps > 1``: gradients of
-     ``accumulation_steps`` micro-batches are averaged, then clipped and applied
-     as one update.
+  3. :func:`accumulate_gradients` (``optax.MultiSteps``' numbers, with the
+     inner update under a ``lax.cond``) when ``accumulation_steps > 1``:
+     gradients of ``accumulation_steps`` micro-batches are averaged, then
+     clipped and applied as one update.
 
   Steps count optimizer updates: with accumulation, ``total_steps`` and
   ``warmup`` are in updates (micro-batches / ``accumulation_steps``), and the
@@ -532,12 +614,10 @@ def standard_optimizer(
 
   **Placement.** With the moments in host memory
   (``state_memory_kind="pinned_host"``) the stack keeps every computation on
-  host-resident values inside host compute, except accumulation:
-  ``optax.MultiSteps`` runs the inner update on every micro-step and selects
-  the whole inner state with ``jnp.where``, which reads and writes the host
-  moments with device arithmetic (slow on a GPU), and its ``init`` fails for
-  params in host memory. Clipping computes the global norm across leaves, so
-  gradients in host memory need ``max_grad_norm=None``.
+  host-resident values inside host compute, accumulation included (the
+  moments are touched only on the micro-step that updates). Clipping computes
+  the global norm across leaves, so gradients in host memory need
+  ``max_grad_norm=None``.
 
   Args:
     learning_rate: the peak learning rate (``>= 0``) of the warmup-cosine
@@ -646,7 +726,7 @@ def standard_optimizer(
     parts.append(optax.clip_by_global_norm(max_grad_norm))
   tx = _record_learning_rate(optax.chain(*parts, core), sched)
   if accumulation_steps > 1:
-    tx = optax.MultiSteps(tx, accumulation_steps).gradient_transformation()
+    tx = accumulate_gradients(tx, accumulation_steps)
   return tx
 
 

@@ -416,3 +416,29 @@ def test_decay_mask_must_return_bools():
   state = tx.init(P)
   with pytest.raises(TypeError, match=re.escape("`decay_mask` returned 2 for 'w'")):
     jax.jit(tx.update)(P, state, P)  # raised while tracing
+
+
+def test_accumulation_with_host_moments_stays_in_host_compute_and_matches_multisteps():
+  from optax_hybrid import placement
+  from optax_hybrid.recipe import accumulate_gradients
+  if "pinned_host" not in placement.available_memory_kinds():
+    pytest.skip("no pinned_host")
+  params = jax.device_put({"w": jnp.linspace(-1.0, 1.0, 12).reshape(3, 4), "b": jnp.ones(4)}, jax.devices()[0])
+  rng = np.random.default_rng(5)
+  grads = [jax.tree.map(lambda p: jnp.asarray(rng.normal(size=p.shape), jnp.float32), params) for _ in range(6)]
+  ours = accumulate_gradients(optax_hybrid.hybrid_adamw(1e-2, weight_decay=0.1, state_memory_kind="pinned_host"), 3)
+  ref = optax.MultiSteps(optax.adamw(1e-2, weight_decay=0.1), 3)
+  step = lambda tx: jax.jit(lambda p, s, g: (lambda u, s: (optax_hybrid.apply_updates(p, u), s))(*tx.update(g, s, p)))
+  p_ours, s_ours, p_ref, s_ref = params, ours.init(params), params, ref.init(params)
+  counts = []
+  for g in grads:
+    p_ours, s_ours = step(ours)(p_ours, s_ours, g)
+    p_ref, s_ref = step(ref)(p_ref, s_ref, g)
+    counts.append(int(s_ours.inner_state.count))
+    assert s_ours.inner_state.mu["w"].sharding.memory_kind == "pinned_host"
+  assert counts == [0, 0, 1, 1, 1, 2]  # the inner update ran on micro-steps 3 and 6 only
+  assert_trees_close(p_ours, p_ref)
+  jaxpr = jax.make_jaxpr(lambda p, s, g: ours.update(g, s, p))(params, ours.init(params), grads[0])
+  assert placement.host_arithmetic_outside_host_compute(jaxpr) == []
+  with pytest.raises(ValueError, match="every_k"):
+    accumulate_gradients(optax.sgd(1.0), 0)

@@ -188,9 +188,9 @@ def test_standard_optimizer_with_accumulation_and_frozen_group():
   report = memory_report(params, tx.init(params))
   assert report.by_tier["host_state"] == split(800, 800)
   assert report.by_tier["device"] == split(400, 0)  # 100 bf16 frozen: param + grad
-  # Accumulators: 100 f32 + 100 f32 (MultiSteps accumulates in float32) = 800;
-  # mini_step, gradient_step, the one AdamW group's count and skipped, the recorded lr: 5 * 4.
-  assert report.by_tier["other_state"] == split(820, 0)
+  # Accumulators: 100 f32 + 100 f32 (accumulated in float32) = 800;
+  # mini_step, the one AdamW group's count and skipped, the recorded lr: 4 * 4.
+  assert report.by_tier["other_state"] == split(816, 0)
 
 
 def test_nnx_optimizer_state():
