@@ -71,6 +71,10 @@ def main(argv=None) -> dict:
                                 state_memory_kind=args.state_memory_kind),
   )
   optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+  # nnx.Optimizer's own step counter is uncommitted, while the jitted step
+  # returns it committed: commit it now, or the second call compiles again.
+  nnx.update(optimizer, jax.tree.map(
+      lambda a: a if a.committed else jax.device_put(a, a.sharding), nnx.state(optimizer)))
 
   @nnx.jit
   def train_step(model, optimizer, x, y):

@@ -30,4 +30,4 @@ def test_quick_start_has_exactly_two_commands():
   block = re.search(r"## Quick start\n\n```bash\n(.*?)```", text, flags=re.S).group(1)
   lines = [line for line in block.splitlines() if line.strip()]
   assert len(lines) == 2
-  assert "examples/flax_nnx_mlp.py" in lines[0] and "pytest" in lines[1]
+  assert "examples/char_gpt.py" in lines[0] and "pytest" in lines[1]
