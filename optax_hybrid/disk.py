@@ -26,6 +26,7 @@ by ``tx.close()``, or at interpreter exit.
 from __future__ import annotations
 
 import atexit
+import concurrent.futures
 import dataclasses
 import itertools
 import os
@@ -41,6 +42,9 @@ from jax.experimental import io_callback
 
 _OPEN_FLAGS = os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
 _names = itertools.count()
+# File reads and writes release the GIL: a few threads keep several files in flight.
+_io_pool = concurrent.futures.ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1),
+                                                 thread_name_prefix="optax_hybrid_disk")
 
 
 @jax.tree_util.register_static
@@ -178,15 +182,15 @@ def load_in_step(moments: list[DiskMoment], after: jax.Array) -> list[jax.Array]
   token fed into: the read cannot start before that write finished.
   """
   shapes = tuple(jax.ShapeDtypeStruct(m.shape, np.dtype(m.dtype)) for m in moments)
-  return list(io_callback(lambda _: tuple(read(m) for m in moments), shapes, after))
+  return list(io_callback(lambda _: tuple(_io_pool.map(read, moments)), shapes, after))
 
 
 def store_in_step(moments: list[DiskMoment], values: list[jax.Array]) -> jax.Array:
   """Inside a jitted step: writes the new values by one callback. Returns an int32 zero to add to the count."""
 
   def write_all(*arrays):
-    for m, a in zip(moments, arrays):
-      write(m, np.asarray(a))
+    for done in _io_pool.map(write, moments, [np.asarray(a) for a in arrays]):
+      del done  # map re-raises the first error here
     return np.zeros((), np.int32)
 
   return io_callback(write_all, jax.ShapeDtypeStruct((), np.int32), *values)
