@@ -270,6 +270,7 @@ def run_placed_update(
     write_params: bool = False,
     masters: Sequence[jax.Array | None] | None = None,
     on_host: Sequence[bool] | None = None,
+    shardings: Sequence[Any] | None = None,
 ) -> tuple[list, list, list, list]:
   """Runs ``kernel`` once on the device leaves and once, in host compute, on the host leaves.
 
@@ -285,6 +286,11 @@ def run_placed_update(
   Optax contract, is ``new_param - param`` in the master's dtype, computed
   where the param lives: added back in that dtype it gives the new param
   exactly.
+
+  A custom ``kernel`` (anything but the XLA rule) is single-device code:
+  with several devices it runs per shard under ``shard_map``, each operand
+  split like the leaf's state (``shardings``, from the state's plan), or gives
+  way to the XLA rule when the placement is unknown or mixed.
 
   Returns:
     ``(updates or new params, new_mus, new_nus, new_masters)``.
@@ -320,6 +326,12 @@ def run_placed_update(
     # Host compute runs the XLA rule: a custom call there is typed as device
     # memory by JAX, and XLA compiles host compute for the host CPU anyway.
     group_kernel = kernel if space == DEVICE else reference.update_leaves
+    how, mesh = "direct", None
+    if group_kernel is not reference.update_leaves:
+      from optax_hybrid import tiers  # the tiers module imports this one
+      how, mesh = tiers.local_sharding([None if shardings is None else shardings[i] for i in idx])
+      if how == "xla":
+        group_kernel = reference.update_leaves
 
     def step(g, m, v, p, w, s, group_decays=group_decays, group_dtypes=group_dtypes, group_kernel=group_kernel,
              param_dtypes=param_dtypes):
@@ -346,6 +358,22 @@ def run_placed_update(
       host_scalars = type(scalars)(*(None if x is None else _compat.move(x, HOST) for x in scalars))
       step = _compat.host_compute(step, out_memory_spaces=HOST)
       outs = step(*operands, host_scalars)
+    elif how == "shard_map":
+      # Every operand of a leaf is split like its state; the scalars are replicated.
+      specs = [shardings[i].spec for i in idx]
+      like = lambda xs: [None if x is None else sp for x, sp in zip(xs, specs)]
+      in_specs = (specs, specs, specs, like(operands[3]), like(operands[4]),
+                  type(scalars)(*(None if x is None else jax.sharding.PartitionSpec() for x in scalars)))
+      out_specs = (specs, specs, specs, like(operands[4]))
+      # Operands split unlike their state (a replicated gradient under ZeRO-1)
+      # are resharded first: on Explicit mesh axes shard_map does not do it.
+      placed = [shardings[i] for i in idx]
+      operands = tuple([None if x is None else tiers.bring_back(x, sh) for x, sh in zip(group, placed)]
+                       for group in operands)
+      # check_vma=False: lax.platform_dependent's branches inside the kernels
+      # type their outputs' varying axes differently; the step is elementwise.
+      step = jax.shard_map(step, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
+      outs = step(*operands, scalars)
     else:
       outs = step(*operands, scalars)
     for j, i in enumerate(idx):

@@ -36,7 +36,7 @@ from typing import Any, Sequence
 import jax
 import numpy as np
 
-from optax_hybrid import placement
+from optax_hybrid import _compat, placement
 
 DEVICE_TIER, HOST_STATE_TIER, HOST_TIER, DISK_TIER = "device", "host_state", "host", "disk"
 TIERS = (DEVICE_TIER, HOST_STATE_TIER, HOST_TIER, DISK_TIER)
@@ -58,10 +58,18 @@ class Plan:
     param_shardings: with ``shard_state_over`` (ZeRO-1), per leaf the param's
       sharding when its state was sharded further than the param (the update
       is brought back to it), else None; ``None`` without ZeRO-1.
+    state_shardings: per leaf, the ``NamedSharding`` of its moments (device
+      memory kind) when they span several devices, else None (one device, or
+      traced params that ``init`` could not see placed). A custom kernel runs
+      per shard under ``shard_map`` with these specs (:func:`local_sharding`).
+      Only multi-device placements are recorded, so that an abstract
+      ``jax.eval_shape(tx.init, ...)`` of single-device params has the same
+      structure as the real state.
   """
 
   tiers: tuple[str, ...]
   param_shardings: tuple | None = None
+  state_shardings: tuple | None = None
 
   def on_host(self) -> list[bool]:
     """Per leaf: is the update computed on the host?"""
@@ -211,6 +219,34 @@ def zero1_sharding(param: Any, axis: str) -> Any:
       spec[d] = axis
       return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec))
   return None
+
+
+def device_sharding_of(x: Any, override: Any = None) -> Any:
+  """The multi-device ``NamedSharding`` ``x``'s state gets, in device memory; else None."""
+  sharding = override if override is not None else getattr(x, "sharding", None)
+  if _compat.is_tracer(x) and override is None:
+    return None
+  if isinstance(sharding, jax.sharding.NamedSharding) and len(sharding.device_set) > 1:
+    return jax.sharding.NamedSharding(sharding.mesh, sharding.spec)
+  return None
+
+
+def local_sharding(shardings: Sequence[Any]) -> tuple[str, Any]:
+  """How a custom (elementwise, single-device) kernel may run over leaves with these shardings.
+
+  Returns ``("direct", None)`` in a single-device process, ``("shard_map",
+  mesh)`` when every leaf has a multi-device ``NamedSharding`` on one mesh (the
+  kernel runs on each device's shards), and ``("xla", None)`` otherwise
+  (placements unknown or mixed: the XLA rule, which GSPMD partitions itself).
+  """
+  if jax.device_count() == 1:
+    return "direct", None
+  if any(s is None for s in shardings):
+    return "xla", None
+  meshes = {s.mesh for s in shardings}
+  if len(meshes) == 1:
+    return "shard_map", meshes.pop()
+  return "xla", None
 
 
 def bring_back(x: Any, sharding: Any) -> Any:

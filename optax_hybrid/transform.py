@@ -322,6 +322,8 @@ def _hybrid_adam(
               for p, k in zip(param_leaves, kind_leaves)]
       plan = dataclasses.replace(plan, param_shardings=tuple(
           None if z is None else p.sharding for p, z in zip(param_leaves, zero)))
+    plan = dataclasses.replace(plan, state_shardings=tuple(
+        tiers_lib.device_sharding_of(p, z) for p, z in zip(param_leaves, zero)))
 
     def moments(which):
       out = []
@@ -457,6 +459,7 @@ def _hybrid_adam(
         write_params=write_params,
         masters=master_leaves,
         on_host=tiers_lib.host_leaves_mask(plan, len(grad_leaves)),
+        shardings=None if plan is None else plan.state_shardings,
     )
     if plan is not None and plan.param_shardings is not None:
       # ZeRO-1: each device computed its shard of the update; gather it back

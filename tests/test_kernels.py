@@ -21,13 +21,12 @@ def test_native_kernel_is_built_where_a_compiler_exists():
 
 def test_kernel_selection():
   assert kernels.resolve_kernel("xla") is reference.update_leaves
-  single = jax.device_count() == 1
-  expected = native_cpu.update_leaves if (native_cpu.available() and single) else reference.update_leaves
+  expected = native_cpu.update_leaves if native_cpu.available() else reference.update_leaves
   assert kernels.resolve_kernel("auto", fused=True) is expected
   assert kernels.resolve_kernel("auto", fused=False) is reference.update_leaves  # measured faster
   assert kernels.resolve_kernel("native") is expected
   assert kernels.resolve_kernel("native", fused=True) is expected
-  assert kernels.resolve_kernel("pallas") is (pallas_gpu.update_leaves if single else reference.update_leaves)
+  assert kernels.resolve_kernel("pallas") is pallas_gpu.update_leaves
   with pytest.raises(ValueError, match="'auto', 'xla', 'native', 'pallas'"):
     kernels.resolve_kernel("triton")
 

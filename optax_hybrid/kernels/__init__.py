@@ -50,15 +50,15 @@ def resolve_kernel(kernel: str, *, fused: bool = False) -> Callable:
   ``p + u`` into the step and the custom call would write a full-size update
   buffer instead. On a GPU backend ``"auto"`` is the Pallas kernel for both.
 
-  Neither custom kernel has a sharding rule yet (XLA would gather sharded
-  operands onto every device), so with several devices every name runs the
-  XLA rule.
+  Both custom kernels are single-device code; with several devices
+  :func:`optax_hybrid.placement.run_placed_update` runs them per shard under
+  ``shard_map`` (or uses the XLA rule where the placement is unknown).
 
   Raises:
     ValueError: for an unknown name.
   """
   check_kernel_name(kernel)
-  if kernel == "xla" or jax.device_count() > 1:
+  if kernel == "xla":
     return reference.update_leaves
   if kernel == "pallas" or (kernel == "auto" and jax.default_backend() == "gpu"):
     return pallas_gpu.update_leaves
