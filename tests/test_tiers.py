@@ -263,3 +263,22 @@ def test_tiers_and_master_survive_a_checkpoint(tmp_path):
   for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves({"params": params, "opt_state": state})):
     np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
     assert a.sharding.memory_kind == b.sharding.memory_kind
+
+
+@needs_host
+def test_host_tier_uses_the_native_kernel_inside_host_compute_on_a_cpu():
+  from optax_hybrid.kernels import native_cpu
+  if not native_cpu.available() or jax.default_backend() != "cpu" or jax.device_count() > 1:
+    pytest.skip("the native kernel runs in host compute on a single-device CPU backend")
+  params, grads = make_params(), grads_like(make_params(), 3)
+  kw = dict(weight_decay=0.1, tiers="host", skip_nonfinite=True)
+  native = optax_hybrid.hybrid_adamw(1e-2, kernel="native", **kw)
+  text = jax.jit(native.step).lower(params, native.init(params), grads[0]).as_text()
+  assert native_cpu.TARGET in text
+  assert placement.host_arithmetic_outside_host_compute(
+      jax.make_jaxpr(native.step)(params, native.init(params), grads[0])) == []
+  got, got_state = run(native, params, grads)
+  want, want_state = run(optax_hybrid.hybrid_adamw(1e-2, kernel="xla", **kw), params, grads)
+  for k in params:
+    np.testing.assert_allclose(np.asarray(got[k]), np.asarray(want[k]), rtol=2e-6, atol=1e-7)
+    assert got_state.mu[k].sharding.memory_kind == "pinned_host"

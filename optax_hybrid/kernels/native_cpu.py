@@ -154,8 +154,14 @@ def update_leaves(
     *,
     adamw_mode: bool,
     write_params: bool = False,
+    direct: bool = False,
 ) -> tuple[list, list, list]:
-  """Same contract as :func:`reference.update_leaves`; one custom call for all supported leaves."""
+  """Same contract as :func:`reference.update_leaves`; one custom call for all supported leaves.
+
+  ``direct=True`` emits the custom call without ``lax.platform_dependent``:
+  for host compute on the CPU backend, where the platform is known and a
+  ``platform_dependent`` would type its branches' outputs inconsistently.
+  """
   n = len(grads)
   rule = dict(adamw_mode=adamw_mode, write_params=write_params)
   native = [i for i in range(n) if supports(grads[i], mus[i], nus[i],
@@ -174,7 +180,10 @@ def update_leaves(
     return reference.update_leaves(g, m, v, p, pick(decays, native), pick(update_dtypes, native), s, **rule)
 
   group = (pick(grads, native), pick(mus, native), pick(nus, native), pick(params, native))
-  native_out = jax.lax.platform_dependent(*group, cpu=on_cpu, default=elsewhere)
+  if direct:
+    native_out = on_cpu(*group)
+  else:
+    native_out = jax.lax.platform_dependent(*group, cpu=on_cpu, default=elsewhere)
   other_out = reference.update_leaves(pick(grads, rest), pick(mus, rest), pick(nus, rest), pick(params, rest),
                                       pick(decays, rest), pick(update_dtypes, rest), s, **rule)
   updates, new_mus, new_nus = [None] * n, [None] * n, [None] * n
