@@ -170,7 +170,11 @@ def resolve(params: Any, *, tiers: TierSpec, state_memory_kind: placement.Memory
   else:
     kinds = [_STATE_KIND[t] if t is not None else k for t, k in zip(wanted, param_kinds)]
   names = []
-  for want, kind, pkind in zip(wanted, kinds, param_kinds):
+  for path_leaf, want, kind, pkind in zip(jax.tree_util.tree_leaves_with_path(params), wanted, kinds, param_kinds):
+    if pkind == placement.HOST_KIND and want == DISK_TIER:
+      raise ValueError(
+          f"hybrid_adamw: the param at {jax.tree_util.keystr(path_leaf[0])} lives in host memory, so it is "
+          "updated on the host; give it the 'host' tier (its moments in pinned_host), not 'disk'.")
     if pkind == placement.HOST_KIND:
       names.append(HOST_TIER)  # computed on the host, wherever its state is
     elif want is not None:

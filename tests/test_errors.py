@@ -142,6 +142,8 @@ TRIGGERS = {
         hybrid(weight_decay=0.1, mask=lambda p: jax.tree.map(lambda x: x.sum() > 0, p)), jit=True),
     "fused-needs-params": lambda: hybrid().step(None, hybrid().init(PARAMS), GRADS),
     "tiers-unknown": lambda: hybrid(tiers={"w": "gpu", "b": "host"}),
+    "tiers-disk-host-param": lambda: hybrid(tiers="disk").init({"w": jax.device_put(
+        jnp.ones(3), jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="pinned_host"))}),
     "tiers-and-kind": lambda: hybrid(tiers="host", state_memory_kind="pinned_host"),
     "tiers-tree": lambda: hybrid(tiers={"w": "host", "x": "device"}).init(PARAMS),
     "offload-fraction": lambda: hybrid(offload_fraction=-0.1),
