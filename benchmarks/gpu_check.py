@@ -62,6 +62,17 @@ def check(name: str, ok: bool, detail: str = "") -> None:
     FAILURES.append(name)
 
 
+def guarded(section, name: str):
+  """Runs one section; an exception is printed and counted as a failure instead of ending the run."""
+  try:
+    return section()
+  except Exception:  # noqa: BLE001 - report and go on: every later figure is still wanted
+    import traceback
+    traceback.print_exc()
+    check(f"{name} raised", False)
+    return None
+
+
 def excess(a, b, rtol, atol) -> float:
   """The largest |a - b| / (atol + rtol |b|): <= 1 is within tolerance, as in np.allclose."""
   a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
@@ -378,16 +389,19 @@ def main(argv=None):
     print("no GPU here: the Pallas kernel would run in interpret mode; use --smoke to check the script", flush=True)
     return 2
   start = time.perf_counter()
-  correctness(pallas_gpu.BLOCK_SIZE if not smoke else 64, smoke)
+  # GPU time is scarce: a section that raises is reported as a failure and the
+  # next one still runs, so one call yields every figure it can.
+  guarded(lambda: correctness(pallas_gpu.BLOCK_SIZE if not smoke else 64, smoke), "correctness")
 
   print("\n## 2. copy bandwidth", flush=True)
-  bandwidth = copy_bandwidth(2**14 if smoke else 2**28, reps)
+  bandwidth = guarded(lambda: copy_bandwidth(2**14 if smoke else 2**28, reps), "copy bandwidth") or float("nan")
   print(f"device-to-device copy (x + 0 into a new buffer, 8 B/element): {bandwidth:.1f} GB/s", flush=True)
 
   if smoke:
-    block_sweep(2**12, reps, bandwidth, [(1024, 4)])
+    guarded(lambda: block_sweep(2**12, reps, bandwidth, [(1024, 4)]), "block sweep")
   else:
-    block_sweep(2**28, reps, bandwidth, [(1024, 4), (2048, 4), (2048, 8), (4096, 8), (8192, 8), (8192, 16)])
+    guarded(lambda: block_sweep(2**28, reps, bandwidth, [(1024, 4), (2048, 4), (2048, 8), (4096, 8), (8192, 8),
+                                                         (8192, 16)]), "block sweep")
 
   print("\n## 4. step time (per step)", flush=True)
   scale = 2**-14 if smoke else 1.0
@@ -399,11 +413,12 @@ def main(argv=None):
   }
   for key in args.trees.split(","):
     name, shapes = tree_defs[key]
-    step_table(name, shapes, reps, steps, bandwidth, torch_ok, host_moments=(key == "one"))
+    guarded(lambda: step_table(name, shapes, reps, steps, bandwidth, torch_ok, host_moments=(key == "one")),
+            f"step table {name}")
   if smoke:
-    tier_report(4, 2**10, reps)
+    guarded(lambda: tier_report(4, 2**10, reps), "tiers")
   else:
-    tier_report(16, 2**26, min(reps, 5))  # 16 x 64M = 1.07B bf16 params
+    guarded(lambda: tier_report(16, 2**26, min(reps, 5)), "tiers")  # 16 x 64M = 1.07B bf16 params
   print(f"\n{time.perf_counter() - start:.0f} s; {'all checks passed' if not FAILURES else 'FAILED: ' + ', '.join(FAILURES)}")
   return 1 if FAILURES else 0
 

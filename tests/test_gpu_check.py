@@ -36,3 +36,12 @@ def test_without_a_gpu_the_full_run_refuses_instead_of_timing_interpret_mode(cap
     pytest.skip("a GPU is here")
   assert load().main([]) == 2
   assert "no GPU here" in capsys.readouterr().out
+
+
+def test_a_section_that_raises_is_a_failure_and_the_run_goes_on(capsys):
+  gpu_check = load()
+  assert gpu_check.guarded(lambda: 7, "fine") == 7
+  assert gpu_check.guarded(lambda: 1 / 0, "broken") is None
+  assert gpu_check.FAILURES == ["broken raised"]
+  captured = capsys.readouterr()
+  assert "ZeroDivisionError" in captured.err and "FAIL  broken raised" in captured.out
