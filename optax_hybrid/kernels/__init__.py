@@ -11,7 +11,8 @@ kernel for the fused ``tx.step`` where it is built (see :func:`resolve_kernel`).
 The contract for any other kernel: it must honour every field of
 :class:`AdamScalars` (``step_ok`` included), and hand the leaves it cannot take
 (complex dtypes, for example) to :func:`reference.update_leaves` so that every
-leaf is always updated by the same rule.
+leaf is always updated by the same rule (:func:`reference.with_reference_for_the_rest`
+does the split and the merge).
 """
 
 from __future__ import annotations

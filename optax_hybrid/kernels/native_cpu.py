@@ -169,25 +169,13 @@ def update_leaves(
                                             update_dtypes[i], write_params=write_params)]
   if not native or not _load():
     return reference.update_leaves(grads, mus, nus, params, decays, update_dtypes, s, **rule)
-  native_set = set(native)
-  rest = [i for i in range(n) if i not in native_set]
-  pick = lambda xs, idx: [xs[i] for i in idx]
 
-  def on_cpu(g, m, v, p):
-    return _native_call(g, m, v, p, pick(decays, native), pick(update_dtypes, native), s, **rule)
+  def run_native(g, m, v, p, decays, dtypes):
+    on_cpu = lambda g, m, v, p: _native_call(g, m, v, p, decays, dtypes, s, **rule)
+    if direct:
+      return on_cpu(g, m, v, p)
+    elsewhere = lambda g, m, v, p: reference.update_leaves(g, m, v, p, decays, dtypes, s, **rule)
+    return jax.lax.platform_dependent(g, m, v, p, cpu=on_cpu, default=elsewhere)
 
-  def elsewhere(g, m, v, p):
-    return reference.update_leaves(g, m, v, p, pick(decays, native), pick(update_dtypes, native), s, **rule)
-
-  group = (pick(grads, native), pick(mus, native), pick(nus, native), pick(params, native))
-  if direct:
-    native_out = on_cpu(*group)
-  else:
-    native_out = jax.lax.platform_dependent(*group, cpu=on_cpu, default=elsewhere)
-  other_out = reference.update_leaves(pick(grads, rest), pick(mus, rest), pick(nus, rest), pick(params, rest),
-                                      pick(decays, rest), pick(update_dtypes, rest), s, **rule)
-  updates, new_mus, new_nus = [None] * n, [None] * n, [None] * n
-  for source, idx in ((native_out, native), (other_out, rest)):
-    for j, i in enumerate(idx):
-      updates[i], new_mus[i], new_nus[i] = source[0][j], source[1][j], source[2][j]
-  return updates, new_mus, new_nus
+  return reference.with_reference_for_the_rest(native, run_native, grads, mus, nus, params, decays,
+                                               update_dtypes, s, **rule)

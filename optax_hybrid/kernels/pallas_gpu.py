@@ -178,27 +178,16 @@ def update_leaves(
   taken = [i for i in range(n) if supports(grads[i], mus[i], nus[i],
                                            params[i] if (decays[i] or write_params) else None,
                                            update_dtypes[i])]
-  taken_set = set(taken)
-  rest = [i for i in range(n) if i not in taken_set]
-  pick = lambda xs, idx: [xs[i] for i in idx]
-  group = (pick(grads, taken), pick(mus, taken), pick(nus, taken),
-           [params[i] if (decays[i] or write_params) else None for i in taken])
-  if taken:
-    run = functools.partial(_run, decays=pick(decays, taken), out_dtypes=pick(update_dtypes, taken),
-                            scalars=_pack_scalars(s), skips=s.step_ok is not None, block_size=block_size,
-                            num_warps=num_warps, **rule)
+
+  def run_pallas(g, m, v, p, decays, dtypes):
+    run = functools.partial(_run, decays=decays, out_dtypes=dtypes, scalars=_pack_scalars(s),
+                            skips=s.step_ok is not None, block_size=block_size, num_warps=num_warps, **rule)
     on_gpu = lambda *ops: run(*ops, interpret=False)
     interpreted = lambda *ops: run(*ops, interpret=True)
-    taken_out = jax.lax.platform_dependent(*group, cuda=on_gpu, rocm=on_gpu, default=interpreted)
-  else:
-    taken_out = ([], [], [])
-  rest_out = reference.update_leaves(pick(grads, rest), pick(mus, rest), pick(nus, rest), pick(params, rest),
-                                     pick(decays, rest), pick(update_dtypes, rest), s, **rule)
-  updates, new_mus, new_nus = [None] * n, [None] * n, [None] * n
-  for source, idx in ((taken_out, taken), (rest_out, rest)):
-    for j, i in enumerate(idx):
-      updates[i], new_mus[i], new_nus[i] = source[0][j], source[1][j], source[2][j]
-  return updates, new_mus, new_nus
+    return jax.lax.platform_dependent(g, m, v, p, cuda=on_gpu, rocm=on_gpu, default=interpreted)
+
+  return reference.with_reference_for_the_rest(taken, run_pallas, grads, mus, nus, params, decays,
+                                               update_dtypes, s, **rule)
 
 
 def gpu_launches(hlo_text: str) -> int:

@@ -132,6 +132,47 @@ def adam_leaf_update(
   return first, m.astype(mu.dtype), v.astype(nu.dtype)
 
 
+def with_reference_for_the_rest(
+    taken: Sequence[int],
+    run_taken,
+    grads: Sequence[jax.Array],
+    mus: Sequence[jax.Array],
+    nus: Sequence[jax.Array],
+    params: Sequence[jax.Array | None],
+    decays: Sequence[bool],
+    update_dtypes: Sequence,
+    s: AdamScalars,
+    *,
+    adamw_mode: bool,
+    write_params: bool = False,
+) -> tuple[list, list, list]:
+  """Runs a kernel on the leaves it takes and this rule on the others, in the same step.
+
+  ``run_taken(grads, mus, nus, params, decays, update_dtypes)`` gets the
+  leaves at indices ``taken`` (params it does not need are None) and returns
+  ``(firsts, new_mus, new_nus)`` for them; the results are merged back in the
+  original order. The contract every custom kernel follows (module docstring
+  of :mod:`optax_hybrid.kernels`).
+  """
+  n = len(grads)
+  taken_set = set(taken)
+  rest = [i for i in range(n) if i not in taken_set]
+  pick = lambda xs, idx: [xs[i] for i in idx]
+  taken_out = ([], [], [])
+  if taken:
+    taken_out = run_taken(pick(grads, taken), pick(mus, taken), pick(nus, taken),
+                          [params[i] if (decays[i] or write_params) else None for i in taken],
+                          pick(decays, taken), pick(update_dtypes, taken))
+  rest_out = update_leaves(pick(grads, rest), pick(mus, rest), pick(nus, rest), pick(params, rest),
+                           pick(decays, rest), pick(update_dtypes, rest), s, adamw_mode=adamw_mode,
+                           write_params=write_params)
+  firsts, new_mus, new_nus = [None] * n, [None] * n, [None] * n
+  for source, idx in ((taken_out, taken), (rest_out, rest)):
+    for j, i in enumerate(idx):
+      firsts[i], new_mus[i], new_nus[i] = source[0][j], source[1][j], source[2][j]
+  return firsts, new_mus, new_nus
+
+
 def update_leaves(
     grads: Sequence[jax.Array],
     mus: Sequence[jax.Array],
