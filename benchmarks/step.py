@@ -31,7 +31,6 @@ import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir))

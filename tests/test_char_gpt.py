@@ -5,7 +5,6 @@ from __future__ import annotations
 import collections
 import csv
 import glob
-import importlib.util
 import io
 import json
 import math
@@ -15,11 +14,11 @@ import sys
 
 import numpy as np
 import pytest
+from loading import load_script
 
 pytest.importorskip("flax")
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir)
-EXAMPLE = os.path.join(ROOT, "examples", "char_gpt.py")
 
 STEPS = 40
 TINY = ["--steps", str(STEPS), "--batch-size", "8", "--seq-len", "32", "--layers", "1", "--d-model", "32",
@@ -27,11 +26,7 @@ TINY = ["--steps", str(STEPS), "--batch-size", "8", "--seq-len", "32", "--layers
 
 
 def load():
-  spec = importlib.util.spec_from_file_location("char_gpt", EXAMPLE)
-  module = importlib.util.module_from_spec(spec)
-  sys.modules["char_gpt"] = module
-  spec.loader.exec_module(module)
-  return module
+  return load_script("examples/char_gpt.py")
 
 
 @pytest.fixture(scope="module")

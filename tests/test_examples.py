@@ -1,24 +1,19 @@
 """The examples run for a few steps, keep the moments on host and actually learn."""
 
-import importlib.util
 import os
 import shutil
-import sys
 
 import jax
 import numpy as np
 import pytest
+from loading import load_script
 
 EXAMPLES = os.path.join(os.path.dirname(__file__), os.pardir, "examples")
 
 
 def load(name):
   pytest.importorskip("flax")
-  spec = importlib.util.spec_from_file_location(name, os.path.join(EXAMPLES, f"{name}.py"))
-  module = importlib.util.module_from_spec(spec)
-  sys.modules[name] = module  # Linen dataclasses look their module up
-  spec.loader.exec_module(module)
-  return module
+  return load_script(f"examples/{name}.py")
 
 
 def test_flax_nnx_mlp(capsys):

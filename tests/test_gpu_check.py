@@ -1,19 +1,12 @@
 """benchmarks/gpu_check.py runs end to end (tiny sizes, interpret mode) so that it is ready for a GPU."""
 
-import importlib.util
-import os
-
 import jax
 import pytest
-
-SCRIPT = os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks", "gpu_check.py")
+from loading import load_script
 
 
 def load():
-  spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
+  return load_script("benchmarks/gpu_check.py")
 
 
 def test_smoke_run_passes_its_checks_and_prints_every_section(capsys):

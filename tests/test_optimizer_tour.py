@@ -2,26 +2,19 @@
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import os
-import sys
 
 import numpy as np
 import pytest
 
 import optax_hybrid
+from loading import load_script
 from numpy_reference import colossal_lr
 
-EXAMPLE = os.path.join(os.path.dirname(__file__), os.pardir, "examples", "optimizer_tour.py")
 
 
 def load():
-  spec = importlib.util.spec_from_file_location("optimizer_tour", EXAMPLE)
-  module = importlib.util.module_from_spec(spec)
-  sys.modules["optimizer_tour"] = module
-  spec.loader.exec_module(module)
-  return module
+  return load_script("examples/optimizer_tour.py")
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,6 @@ import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
-import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 import optax_hybrid
