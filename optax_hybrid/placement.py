@@ -150,6 +150,8 @@ def placed_with(value: Any, shape: tuple, dtype: Any, sharding: Any, *, abstract
     return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
   if value is None:
     if _compat.is_host_kind(sharding.memory_kind):
+      # A lazily zeroed NumPy buffer: state for a model larger than device
+      # memory never passes through the device.
       return jax.device_put(np.zeros(shape, dtype), sharding)
     return jnp.zeros(shape, dtype, device=sharding)
   if _compat.is_host_kind(sharding.memory_kind) and getattr(value, "is_fully_addressable", True):
@@ -183,12 +185,7 @@ def zeros_placed(param: Any, dtype: Any, kind: str) -> Any:
     return jnp.zeros(shape, dtype)
   if sharding is None:
     sharding = SingleDeviceSharding(jax.devices()[0])
-  sharding = sharding.with_memory_kind(kind)
-  if kind == DEVICE_KIND:
-    return jnp.zeros(shape, dtype, device=sharding)
-  # Host memory is filled from a lazily zeroed NumPy buffer, so that state for
-  # a model larger than device memory never passes through the device.
-  return jax.device_put(np.zeros(shape, dtype), sharding)
+  return placed_with(None, shape, dtype, sharding.with_memory_kind(kind))
 
 
 def copy_placed(param: Any, dtype: Any, kind: str) -> Any:
@@ -205,14 +202,9 @@ def copy_placed(param: Any, dtype: Any, kind: str) -> Any:
   sharding = getattr(param, "sharding", None)
   if sharding is None:
     sharding = SingleDeviceSharding(jax.devices()[0])
-  if kind == DEVICE_KIND:
-    converted = jnp.asarray(param).astype(dtype)
-    if not getattr(param, "committed", False):
-      return converted
-    return jax.device_put(converted, sharding.with_memory_kind(kind))
-  if getattr(param, "is_fully_addressable", True):
-    return jax.device_put(np.asarray(param).astype(dtype), sharding.with_memory_kind(kind))
-  return jax.jit(lambda p: p.astype(dtype), out_shardings=sharding.with_memory_kind(kind))(param)
+  if kind == DEVICE_KIND and not getattr(param, "committed", False):
+    return jnp.asarray(param).astype(dtype)  # uncommitted like the param (see zeros_placed)
+  return placed_with(param, np.shape(param), dtype, sharding.with_memory_kind(kind))
 
 
 def _replicated_like(sharding: Any) -> Any:
@@ -255,6 +247,37 @@ def step_counter_like(state_leaves: Sequence[Any]) -> Any:
 # ---------------------------------------------------------------------------
 # Running a step where each leaf belongs
 # ---------------------------------------------------------------------------
+
+
+def local_sharding(shardings: Sequence[Any]) -> tuple[str, Any]:
+  """How a custom (elementwise, single-device) kernel may run over leaves with these shardings.
+
+  Returns ``("direct", None)`` in a single-device process, ``("shard_map",
+  mesh)`` when every leaf has a multi-device ``NamedSharding`` on one mesh (the
+  kernel runs on each device's shards), and ``("xla", None)`` otherwise
+  (placements unknown or mixed: the XLA rule, which GSPMD partitions itself).
+  """
+  if jax.device_count() == 1:
+    return "direct", None
+  if any(s is None for s in shardings):
+    return "xla", None
+  meshes = {s.mesh for s in shardings}
+  if len(meshes) == 1:
+    return "shard_map", meshes.pop()
+  return "xla", None
+
+
+def bring_back(x: Any, sharding: Any) -> Any:
+  """Constrains a traced value to ``sharding``: ``reshard`` on Explicit mesh axes, a constraint on Auto ones.
+
+  Used for ZeRO-1's gather of an update back to its param's sharding, and to
+  split an operand like its state before a per-shard kernel.
+  """
+  sharding = jax.sharding.NamedSharding(sharding.mesh, sharding.spec)
+  explicit = getattr(jax.sharding.AxisType, "Explicit", None)
+  if explicit is not None and explicit in tuple(getattr(sharding.mesh, "axis_types", ())):
+    return jax.sharding.reshard(x, sharding)
+  return jax.lax.with_sharding_constraint(x, sharding)
 
 
 def run_placed_update(
@@ -327,8 +350,7 @@ def run_placed_update(
     group_kernel = kernel if space == DEVICE else _host_kernel(kernel)
     how, mesh = "direct", None
     if space == DEVICE and group_kernel is not reference.update_leaves:
-      from optax_hybrid import tiers  # the tiers module imports this one
-      how, mesh = tiers.local_sharding([None if shardings is None else shardings[i] for i in idx])
+      how, mesh = local_sharding([None if shardings is None else shardings[i] for i in idx])
       if how == "xla":
         group_kernel = reference.update_leaves
 
@@ -367,7 +389,7 @@ def run_placed_update(
       # Operands split unlike their state (a replicated gradient under ZeRO-1)
       # are resharded first: on Explicit mesh axes shard_map does not do it.
       placed = [shardings[i] for i in idx]
-      operands = tuple([None if x is None else tiers.bring_back(x, sh) for x, sh in zip(group, placed)]
+      operands = tuple([None if x is None else bring_back(x, sh) for x, sh in zip(group, placed)]
                        for group in operands)
       # check_vma=False: lax.platform_dependent's branches inside the kernels
       # type their outputs' varying axes differently; the step is elementwise.

@@ -61,7 +61,8 @@ class Plan:
     state_shardings: per leaf, the ``NamedSharding`` of its moments (device
       memory kind) when they span several devices, else None (one device, or
       traced params that ``init`` could not see placed). A custom kernel runs
-      per shard under ``shard_map`` with these specs (:func:`local_sharding`).
+      per shard under ``shard_map`` with these specs
+      (:func:`optax_hybrid.placement.local_sharding`).
       Only multi-device placements are recorded, so that an abstract
       ``jax.eval_shape(tx.init, ...)`` of single-device params has the same
       structure as the real state.
@@ -233,33 +234,6 @@ def device_sharding_of(x: Any, override: Any = None) -> Any:
   if isinstance(sharding, jax.sharding.NamedSharding) and len(sharding.device_set) > 1:
     return jax.sharding.NamedSharding(sharding.mesh, sharding.spec)
   return None
-
-
-def local_sharding(shardings: Sequence[Any]) -> tuple[str, Any]:
-  """How a custom (elementwise, single-device) kernel may run over leaves with these shardings.
-
-  Returns ``("direct", None)`` in a single-device process, ``("shard_map",
-  mesh)`` when every leaf has a multi-device ``NamedSharding`` on one mesh (the
-  kernel runs on each device's shards), and ``("xla", None)`` otherwise
-  (placements unknown or mixed: the XLA rule, which GSPMD partitions itself).
-  """
-  if jax.device_count() == 1:
-    return "direct", None
-  if any(s is None for s in shardings):
-    return "xla", None
-  meshes = {s.mesh for s in shardings}
-  if len(meshes) == 1:
-    return "shard_map", meshes.pop()
-  return "xla", None
-
-
-def bring_back(x: Any, sharding: Any) -> Any:
-  """Constrains a traced update to its param's sharding (the all-gather of ZeRO-1)."""
-  sharding = jax.sharding.NamedSharding(sharding.mesh, sharding.spec)
-  explicit = getattr(jax.sharding.AxisType, "Explicit", None)
-  if explicit is not None and explicit in tuple(getattr(sharding.mesh, "axis_types", ())):
-    return jax.sharding.reshard(x, sharding)
-  return jax.lax.with_sharding_constraint(x, sharding)
 
 
 def master_needed(param_dtype: Any, master_dtype: Any) -> bool:

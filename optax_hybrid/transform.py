@@ -466,7 +466,7 @@ def _hybrid_adam(
       # to the param's sharding (otherwise the sharding would leak into params).
       for i, sharding in enumerate(plan.param_shardings):
         if sharding is not None:
-          new_updates[i] = tiers_lib.bring_back(new_updates[i], sharding)
+          new_updates[i] = placement.bring_back(new_updates[i], sharding)
     written = None
     if on_disk:
       written = disk.store_in_step(stored, [new_mu[i] for i in on_disk] + [new_nu[i] for i in on_disk])
