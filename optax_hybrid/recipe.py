@@ -10,7 +10,7 @@ frozen groups that hold no optimizer state at all.
 from __future__ import annotations
 
 import fnmatch
-import math
+import functools
 import numbers
 import re
 from typing import Any, Callable, Mapping, NamedTuple, Optional, Union
@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from optax_hybrid import _compat, placement
+from optax_hybrid import _checks, _compat, placement
 from optax_hybrid.schedules import warmup_cosine_schedule
 from optax_hybrid.transform import HybridAdamState, hybrid_adamw
 
@@ -121,30 +121,8 @@ def flax_weight_decay_rule(path: str, param: Any) -> bool:
 # ---------------------------------------------------------------------------
 
 
-def _real(name: str, value: Any, *, low: float, high: float | None = None, high_open: bool = False) -> float:
-  if isinstance(value, bool) or not isinstance(value, numbers.Real):
-    raise TypeError(
-        f"standard_optimizer: `{name}` must be a real number, got {value!r} of type "
-        f"{type(value).__name__}."
-    )
-  x = float(value)
-  if not math.isfinite(x):
-    raise ValueError(f"standard_optimizer: `{name}` must be finite, got {x!r}.")
-  if x < low or (high is not None and (x >= high if high_open else x > high)):
-    accepted = f">= {low}" if high is None else f"in [{low}, {high}{')' if high_open else ']'}"
-    raise ValueError(f"standard_optimizer: `{name}` must be {accepted}, got {x!r}.")
-  return x
-
-
-def _integer(name: str, value: Any, *, low: int) -> int:
-  if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-    raise TypeError(
-        f"standard_optimizer: `{name}` must be an integer, got {value!r} of type "
-        f"{type(value).__name__}."
-    )
-  if value < low:
-    raise ValueError(f"standard_optimizer: `{name}` must be >= {low}, got {value}.")
-  return int(value)
+_real = functools.partial(_checks.real, "standard_optimizer")
+_integer = functools.partial(_checks.integer, "standard_optimizer")
 
 
 def _warmup_steps(warmup: Any, total_steps: int) -> int:
@@ -470,7 +448,7 @@ def accumulate_gradients(inner: optax.GradientTransformation, every_k: int) -> o
     >>> tx = optax_hybrid.recipe.accumulate_gradients(optax_hybrid.hybrid_adamw(1e-3), every_k=4)
     >>> state = tx.init({"w": jnp.ones(3)})
   """
-  every_k = _integer("every_k", every_k, low=1)
+  every_k = _checks.integer("accumulate_gradients", "every_k", every_k, low=1)
 
   def acc_dtype(dtype):
     return jnp.promote_types(dtype, jnp.float32)

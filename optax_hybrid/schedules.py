@@ -9,28 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-
-def _require_real(name: str, value) -> float:
-  if isinstance(value, bool) or not isinstance(value, numbers.Real):
-    raise TypeError(
-        f"warmup_cosine_schedule: `{name}` must be a real number, got "
-        f"{value!r} of type {type(value).__name__}."
-    )
-  value = float(value)
-  if not math.isfinite(value):
-    raise ValueError(
-        f"warmup_cosine_schedule: `{name}` must be finite, got {value!r}."
-    )
-  return value
-
-
-def _require_int(name: str, value) -> int:
-  if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-    raise TypeError(
-        f"warmup_cosine_schedule: `{name}` must be an integer number of steps, "
-        f"got {value!r} of type {type(value).__name__}."
-    )
-  return int(value)
+from optax_hybrid import _checks
 
 
 def warmup_cosine_schedule(
@@ -86,10 +65,11 @@ def warmup_cosine_schedule(
     >>> [round(float(sched(k)), 3) for k in (0, 5, 10, 55, 100, 150)]
     [0.1, 0.6, 1.0, 0.55, 0.1, 0.1]
   """
-  peak_value = _require_real("peak_value", peak_value)
-  eta_min = _require_real("eta_min", eta_min)
-  total_steps = _require_int("total_steps", total_steps)
-  warmup_steps = _require_int("warmup_steps", warmup_steps)
+  owner, steps = "warmup_cosine_schedule", "an integer number of steps"
+  peak_value = _checks.real(owner, "peak_value", peak_value)
+  eta_min = _checks.real(owner, "eta_min", eta_min)
+  total_steps = _checks.integer(owner, "total_steps", total_steps, what=steps)
+  warmup_steps = _checks.integer(owner, "warmup_steps", warmup_steps, what=steps)
   if warmup_steps < 0:
     raise ValueError(
         f"warmup_cosine_schedule: `warmup_steps` must be >= 0, got {warmup_steps}."
