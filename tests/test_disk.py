@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import optax_hybrid
+from stepping import grads_like, placed_params, run_steps as run
 from optax_hybrid import disk, placement
 
 needs_host = pytest.mark.skipif("pinned_host" not in placement.available_memory_kinds(),
@@ -16,25 +17,7 @@ needs_host = pytest.mark.skipif("pinned_host" not in placement.available_memory_
 
 
 def make_params(dtype=jnp.float32):
-  rng = np.random.default_rng(0)
-  shapes = {"emb": (40, 8), "w": (8, 4), "b": (4,), "s": ()}
-  return jax.device_put({k: jnp.asarray(rng.normal(size=s), dtype) for k, s in shapes.items()}, jax.devices()[0])
-
-
-def grads_like(params, n, seed=1):
-  rng = np.random.default_rng(seed)
-  return [jax.tree.map(lambda p: jnp.asarray(rng.normal(size=p.shape), p.dtype), params) for _ in range(n)]
-
-
-def run(tx, params, grads, fused=True, state=None):
-  state = tx.init(params) if state is None else state
-  if fused:
-    step = jax.jit(tx.step)
-  else:
-    step = jax.jit(lambda p, s, g: (lambda u, s: (optax_hybrid.apply_updates(p, u), s))(*tx.update(g, s, p)))
-  for g in grads:
-    params, state = step(params, state, g)
-  return params, state
+  return placed_params({"emb": (40, 8), "w": (8, 4), "b": (4,), "s": ()}, dtype)
 
 
 @needs_host

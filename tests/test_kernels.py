@@ -10,6 +10,7 @@ import pytest
 
 from optax_hybrid import kernels
 from optax_hybrid.kernels import native_cpu, pallas_gpu, reference
+from stepping import kernel_and_reference
 
 needs_native = pytest.mark.skipif(not native_cpu.available(), reason=f"native kernel: {native_cpu.why_unavailable()}")
 
@@ -70,34 +71,12 @@ COMBOS = [(jnp.float32, jnp.float32), (jnp.bfloat16, jnp.float32), (jnp.bfloat16
 SIZES = [(), (0,), (1,), (7,), (3, 5, 7), (70_001,)]  # the last spans two work chunks
 
 
-def make_leaves(pdtype, mdtype, seed=0):
-  rng = np.random.default_rng(seed)
-  g = [jnp.asarray(rng.normal(size=s), pdtype) for s in SIZES]
-  m = [jnp.asarray(rng.normal(size=s) * 0.1, mdtype) for s in SIZES]
-  v = [jnp.asarray(np.abs(rng.normal(size=s)) * 0.01, mdtype) for s in SIZES]
-  p = [jnp.asarray(rng.normal(size=s), pdtype) for s in SIZES]
-  return g, m, v, p
-
-
 def ulps(dtype):
   return {np.dtype(jnp.float32): 2e-6, np.dtype(jnp.bfloat16): 2**-7, np.dtype(jnp.float16): 2**-10}[np.dtype(dtype)]
 
 
-def run_both(pdtype, mdtype, *, adamw_mode, write_params, step_ok=None, bias_correction=True):
-  g, m, v, p = make_leaves(pdtype, mdtype)
-  decays = [i % 2 == 0 for i in range(len(SIZES))]
-  if write_params:
-    out_dtypes = [x.dtype for x in p]
-  else:
-    out_dtypes = [jnp.result_type(a.dtype, b.dtype) for a, b in zip(g, m)]
-  ok = None if step_ok is None else jnp.asarray(step_ok)
-  s = reference.step_scalars(jnp.int32(4), 3e-2, 0.9, 0.99, 1e-6, 0.1, bias_correction, ok)
-
-  def run(kernel):
-    return jax.jit(lambda g, m, v, p: kernel(g, m, v, p, decays, out_dtypes, s, adamw_mode=adamw_mode,
-                                             write_params=write_params))(g, m, v, p)
-
-  return run(native_cpu.update_leaves), run(reference.update_leaves), (g, m, v, p)
+def run_both(pdtype, mdtype, **flags):
+  return kernel_and_reference(native_cpu.update_leaves, SIZES, pdtype, mdtype, **flags)
 
 
 @needs_native
@@ -207,22 +186,14 @@ def test_native_step_matches_float64_model(bias_correction, adamw_mode, weight_d
 
 @needs_native
 def test_native_update_under_inject_hyperparams_matches_xla_without_recompiling():
-  import optax
-  import optax_hybrid
+  from stepping import run_with_injected_hyperparams
   rng = np.random.default_rng(8)
   params = {"w": jnp.asarray(rng.normal(size=(9, 5)), jnp.float32), "b": jnp.zeros(5)}
   grads = [{k: rng.normal(size=v.shape).astype(np.float32) for k, v in params.items()} for _ in range(4)]
+  vary = lambda i: {"learning_rate": 1e-2 / (i + 1), "b1": 0.9 - 0.1 * i}
   results = {}
   for kernel in ("native", "xla"):
-    tx = optax.inject_hyperparams(optax_hybrid.hybrid_adamw, static_args=("kernel",))(
-        learning_rate=1e-2, weight_decay=0.1, kernel=kernel)
-    update = jax.jit(tx.update)
-    p, s = params, tx.init(params)
-    for i, g in enumerate(grads):
-      s.hyperparams["learning_rate"] = jnp.asarray(1e-2 / (i + 1), jnp.float32)
-      s.hyperparams["b1"] = jnp.asarray(0.9 - 0.1 * i, jnp.float32)
-      u, s = update(g, s, p)
-      p = optax_hybrid.apply_updates(p, u)
+    p, update, s = run_with_injected_hyperparams(kernel, params, grads, vary)
     assert update._cache_size() == 1
     if kernel == "native":
       assert "optax_hybrid_adamw_cpu" in update.lower(grads[0], s, p).as_text()

@@ -16,6 +16,7 @@ import pytest
 import optax_hybrid
 from optax_hybrid import kernels, placement
 from optax_hybrid.kernels import pallas_gpu, reference
+from stepping import kernel_and_reference, run_with_injected_hyperparams
 
 B = pallas_gpu.BLOCK_SIZE
 # A scalar, a single element, odd sizes, an empty leaf, and leaves spanning
@@ -25,27 +26,8 @@ COMBOS = [(jnp.float32, jnp.float32), (jnp.bfloat16, jnp.float32), (jnp.bfloat16
           (jnp.float16, jnp.float32)]
 
 
-def make_leaves(pdtype, mdtype, seed=0):
-  rng = np.random.default_rng(seed)
-  g = [jnp.asarray(rng.normal(size=s), pdtype) for s in SIZES]
-  m = [jnp.asarray(rng.normal(size=s) * 0.1, mdtype) for s in SIZES]
-  v = [jnp.asarray(np.abs(rng.normal(size=s)) * 0.01, mdtype) for s in SIZES]
-  p = [jnp.asarray(rng.normal(size=s), pdtype) for s in SIZES]
-  return g, m, v, p
-
-
-def run_both(pdtype, mdtype, *, adamw_mode, write_params, step_ok=None, bias_correction=True):
-  g, m, v, p = make_leaves(pdtype, mdtype)
-  decays = [i % 2 == 0 for i in range(len(SIZES))]
-  out_dtypes = [x.dtype for x in p] if write_params else [jnp.result_type(a.dtype, b.dtype) for a, b in zip(g, m)]
-  ok = None if step_ok is None else jnp.asarray(step_ok)
-  s = reference.step_scalars(jnp.int32(4), 3e-2, 0.9, 0.99, 1e-6, 0.1, bias_correction, ok)
-
-  def run(kernel):
-    return jax.jit(lambda g, m, v, p: kernel(g, m, v, p, decays, out_dtypes, s, adamw_mode=adamw_mode,
-                                             write_params=write_params))(g, m, v, p)
-
-  return run(pallas_gpu.update_leaves), run(reference.update_leaves), (g, m, v, p)
+def run_both(pdtype, mdtype, **flags):
+  return kernel_and_reference(pallas_gpu.update_leaves, SIZES, pdtype, mdtype, **flags)
 
 
 def tolerance(dtype):
@@ -192,17 +174,10 @@ def test_pallas_equals_xla_through_hybrid_adamw(pdtype, memory_kind):
 def test_changing_hyperparameters_do_not_recompile():
   params = tree(jnp.float32, 3)
   grads = [tree(jnp.float32, 4 + i) for i in range(3)]
+  vary = lambda i: {"learning_rate": 1e-2 / (i + 1), "b2": 0.999 - 0.01 * i}
   results = {}
   for kernel in ("pallas", "xla"):
-    tx = optax.inject_hyperparams(optax_hybrid.hybrid_adamw, static_args=("kernel",))(
-        learning_rate=1e-2, weight_decay=0.1, kernel=kernel)
-    update = jax.jit(tx.update)
-    p, s = params, tx.init(params)
-    for i, g in enumerate(grads):
-      s.hyperparams["learning_rate"] = jnp.asarray(1e-2 / (i + 1), jnp.float32)
-      s.hyperparams["b2"] = jnp.asarray(0.999 - 0.01 * i, jnp.float32)
-      u, s = update(g, s, p)
-      p = optax_hybrid.apply_updates(p, u)
+    p, update, _ = run_with_injected_hyperparams(kernel, params, grads, vary)
     assert update._cache_size() == 1
     results[kernel] = p
   for k in params:
