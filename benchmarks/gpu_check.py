@@ -47,7 +47,7 @@ sys.path.insert(0, os.path.join(HERE, os.pardir))
 sys.path.insert(0, os.path.join(HERE, os.pardir, "tests"))  # the float64 model
 import optax_hybrid  # noqa: E402
 from optax_hybrid import placement  # noqa: E402
-from optax_hybrid.kernels import pallas_gpu, reference  # noqa: E402
+from optax_hybrid.kernels import LeafFacts, LeafOperands, Rule, pallas_gpu, reference  # noqa: E402
 from numpy_reference import adamw_steps, colossal_lr  # noqa: E402
 from step import gpt2_small_shapes  # noqa: E402  (benchmarks/step.py)
 
@@ -168,9 +168,9 @@ def block_sweep(n: int, reps: int, bandwidth: float, configs) -> None:
   print(f"|{'-' * 8}|{'-' * 7}|{'-' * 9}|{'-' * 11}|{'-' * 9}|")
   for block, warps in configs:
     def one(p, g, m, v, block=block, warps=warps):
-      out = pallas_gpu.update_leaves([g], [m], [v], [p], [True], [jnp.float32], s, adamw_mode=True,
-                                     write_params=True, block_size=block, num_warps=warps)
-      return out[0][0], out[1][0], out[2][0]
+      (out,) = pallas_gpu.update_leaves([LeafOperands(g, m, v, p)], [LeafFacts(True, jnp.float32)], s,
+                                        Rule(adamw_mode=True, write_params=True), block_size=block, num_warps=warps)
+      return out.first, out.mu, out.nu
     fn = jax.jit(one, donate_argnums=(0, 2, 3))
     p, g, m, v = arrays
     p, m, v = fn(p, g, m, v)

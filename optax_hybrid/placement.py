@@ -16,7 +16,6 @@ decided at trace time and costs nothing per step beyond the copies themselves.
 
 from __future__ import annotations
 
-import functools
 from typing import Any, Callable, Sequence
 
 import jax
@@ -26,7 +25,6 @@ from jax.sharding import SingleDeviceSharding
 
 from optax_hybrid import _compat
 from optax_hybrid._compat import DEVICE, HOST
-from optax_hybrid.kernels import native_cpu, reference
 
 DEVICE_KIND = "device"
 HOST_KIND = "pinned_host"
@@ -95,7 +93,8 @@ def memory_kind_of(x: Any) -> str:
   return _KIND_OF_SPACE[_compat.memory_space_of(x)]
 
 
-def _param_memory_kind(param: Any) -> str:
+def param_memory_kind(param: Any) -> str:
+  """``"device"`` or ``"pinned_host"``: where a param (array, tracer or ``ShapeDtypeStruct``) lives."""
   if isinstance(param, jax.ShapeDtypeStruct):
     sharding = getattr(param, "sharding", None)
     kind = getattr(sharding, "memory_kind", None)
@@ -105,7 +104,8 @@ def _param_memory_kind(param: Any) -> str:
   return DEVICE_KIND
 
 
-def _devices_of(param: Any) -> Sequence[jax.Device]:
+def devices_of(param: Any) -> Sequence[jax.Device]:
+  """The devices a param is placed on (the first default device when unknown, e.g. traced)."""
   sharding = getattr(param, "sharding", None)
   if sharding is not None and not _compat.is_tracer(param):
     return list(sharding.device_set)
@@ -126,8 +126,8 @@ def resolve_state_kinds(params: Any, spec: MemoryKindSpec) -> Any:
     else:
       kind, argument = spec, "state_memory_kind"
     if kind is None:
-      return _param_memory_kind(param)
-    for device in _devices_of(param)[:1]:
+      return param_memory_kind(param)
+    for device in devices_of(param)[:1]:
       check_memory_kind(kind, device, argument=argument)
     return kind
 
@@ -249,25 +249,7 @@ def step_counter_like(state_leaves: Sequence[Any]) -> Any:
 # ---------------------------------------------------------------------------
 
 
-def local_sharding(shardings: Sequence[Any]) -> tuple[str, Any]:
-  """How a custom (elementwise, single-device) kernel may run over leaves with these shardings.
-
-  Returns ``("direct", None)`` in a single-device process, ``("shard_map",
-  mesh)`` when every leaf has a multi-device ``NamedSharding`` on one mesh (the
-  kernel runs on each device's shards), and ``("xla", None)`` otherwise
-  (placements unknown or mixed: the XLA rule, which GSPMD partitions itself).
-  """
-  if jax.device_count() == 1:
-    return "direct", None
-  if any(s is None for s in shardings):
-    return "xla", None
-  meshes = {s.mesh for s in shardings}
-  if len(meshes) == 1:
-    return "shard_map", meshes.pop()
-  return "xla", None
-
-
-def bring_back(x: Any, sharding: Any) -> Any:
+def constrain(x: Any, sharding: Any) -> Any:
   """Constrains a traced value to ``sharding``: ``reshard`` on Explicit mesh axes, a constraint on Auto ones.
 
   Used for ZeRO-1's gather of an update back to its param's sharding, and to
@@ -280,168 +262,27 @@ def bring_back(x: Any, sharding: Any) -> Any:
   return jax.lax.with_sharding_constraint(x, sharding)
 
 
-def run_placed_update(
-    kernel: Callable,
-    grads: Sequence[jax.Array],
-    mus: Sequence[jax.Array],
-    nus: Sequence[jax.Array],
-    params: Sequence[jax.Array | None],
-    decays: Sequence[bool],
-    update_dtypes: Sequence[Any],
-    scalars: Any,
-    *,
-    adamw_mode: bool,
-    write_params: bool = False,
-    masters: Sequence[jax.Array | None] | None = None,
-    on_host: Sequence[bool] | None = None,
-    shardings: Sequence[Any] | None = None,
-) -> tuple[list, list, list, list]:
-  """Runs ``kernel`` once on the device leaves and once, in host compute, on the host leaves.
+def map_where_they_live(fn: Callable, *columns: Sequence[Any], static: Sequence[Any] | None = None) -> list:
+  """``fn(*args, static)`` per leaf, computed where the leaf's first argument lives.
 
-  Each leaf is computed where its parameter lives (where its gradient lives
-  when ``params`` is not given), or on the host where ``on_host`` says so (the
-  host tier). Moments and masters keep the memory space they came in; updates
-  (new params, with ``write_params``) are returned in their parameter's space.
-
-  A leaf with a master copy (``masters[i]`` not None) is stepped against the
-  master, which the kernel overwrites; the new parameter is the new master
-  rounded to the param's dtype, computed beside the master so that only the
-  low-precision value crosses to the param's memory. Its update, for the
-  Optax contract, is ``new_param - param`` in the master's dtype, computed
-  where the param lives: added back in that dtype it gives the new param
-  exactly.
-
-  A custom ``kernel`` (anything but the XLA rule) is single-device code:
-  with several devices it runs per shard under ``shard_map``, each operand
-  split like the leaf's state (``shardings``, from the state's plan), or gives
-  way to the XLA rule when the placement is unknown or mixed.
-
-  Returns:
-    ``(updates or new params, new_mus, new_nus, new_masters)``.
+  Leaves whose first argument is in device memory run as ordinary device
+  code; the others run together in one host-compute region (their other
+  arguments moved to the host first), so no device arithmetic ever reads host
+  memory: on a GPU that would silently run as slow host compute. ``static``
+  holds one trace-time value per leaf (a dtype, say). Results keep the
+  memory space they are computed in.
   """
-  n = len(grads)
-  masters = [None] * n if masters is None else list(masters)
-  on_host = [False] * n if on_host is None else list(on_host)
-  param_spaces = [_compat.memory_space_of(p if p is not None else g) for g, p in zip(grads, params)]
-  compute_spaces = [HOST if host else space for host, space in zip(on_host, param_spaces)]
-  updates: list = [None] * n
-  new_mus: list = [None] * n
-  new_nus: list = [None] * n
-  new_masters: list = [None] * n
-
-  for space in (DEVICE, HOST):
-    idx = [i for i in range(n) if compute_spaces[i] == space]
-    if not idx:
-      continue
-    pick = lambda xs: [xs[i] for i in idx]
-    # Parameters that are not read (no decay, no fused apply, or a master
-    # stands in for them) are not moved either.
-    group_params = [params[i] if (decays[i] or write_params) and masters[i] is None else None for i in idx]
-    operands = (
-        _compat.move_all(pick(grads), space),
-        _compat.move_all(pick(mus), space),
-        _compat.move_all(pick(nus), space),
-        [None if p is None else _compat.move(p, space) for p in group_params],
-        [None if w is None else _compat.move(w, space) for w in pick(masters)],
-    )
-    group_decays, group_dtypes = pick(decays), pick(update_dtypes)
-    param_dtypes = [None if masters[i] is None else jnp.asarray(params[i]).dtype for i in idx]
-
-    group_kernel = kernel if space == DEVICE else _host_kernel(kernel)
-    how, mesh = "direct", None
-    if space == DEVICE and group_kernel is not reference.update_leaves:
-      how, mesh = local_sharding([None if shardings is None else shardings[i] for i in idx])
-      if how == "xla":
-        group_kernel = reference.update_leaves
-
-    def step(g, m, v, p, w, s, group_decays=group_decays, group_dtypes=group_dtypes, group_kernel=group_kernel,
-             param_dtypes=param_dtypes):
-      k = len(g)
-      plain = [j for j in range(k) if w[j] is None]
-      mastered = [j for j in range(k) if w[j] is not None]
-      sub = lambda xs, js: [xs[j] for j in js]
-      first, out_m, out_v, out_w = [None] * k, [None] * k, [None] * k, [None] * k
-      if plain:
-        outs = group_kernel(sub(g, plain), sub(m, plain), sub(v, plain), sub(p, plain), sub(group_decays, plain),
-                            sub(group_dtypes, plain), s, adamw_mode=adamw_mode, write_params=write_params)
-        for j, a, b, c in zip(plain, *outs):
-          first[j], out_m[j], out_v[j] = a, b, c
-      if mastered:
-        outs = group_kernel(sub(g, mastered), sub(m, mastered), sub(v, mastered), sub(w, mastered),
-                            sub(group_decays, mastered), [w[j].dtype for j in mastered], s,
-                            adamw_mode=adamw_mode, write_params=True)
-        for j, a, b, c in zip(mastered, *outs):
-          out_w[j], out_m[j], out_v[j] = a, b, c
-          first[j] = a.astype(param_dtypes[j])
-      return first, out_m, out_v, out_w
-
-    if space == HOST:
-      host_scalars = type(scalars)(*(None if x is None else _compat.move(x, HOST) for x in scalars))
-      step = _compat.host_compute(step, out_memory_spaces=HOST)
-      outs = step(*operands, host_scalars)
-    elif how == "shard_map":
-      # Every operand of a leaf is split like its state; the scalars are replicated.
-      specs = [shardings[i].spec for i in idx]
-      like = lambda xs: [None if x is None else sp for x, sp in zip(xs, specs)]
-      in_specs = (specs, specs, specs, like(operands[3]), like(operands[4]),
-                  type(scalars)(*(None if x is None else jax.sharding.PartitionSpec() for x in scalars)))
-      out_specs = (specs, specs, specs, like(operands[4]))
-      # Operands split unlike their state (a replicated gradient under ZeRO-1)
-      # are resharded first: on Explicit mesh axes shard_map does not do it.
-      placed = [shardings[i] for i in idx]
-      operands = tuple([None if x is None else bring_back(x, sh) for x, sh in zip(group, placed)]
-                       for group in operands)
-      # check_vma=False: lax.platform_dependent's branches inside the kernels
-      # type their outputs' varying axes differently; the step is elementwise.
-      step = jax.shard_map(step, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
-      outs = step(*operands, scalars)
-    else:
-      outs = step(*operands, scalars)
-    for j, i in enumerate(idx):
-      updates[i] = _compat.move(outs[0][j], param_spaces[i])
-      new_mus[i] = _compat.move(outs[1][j], _compat.memory_space_of(mus[i]))
-      new_nus[i] = _compat.move(outs[2][j], _compat.memory_space_of(nus[i]))
-      if masters[i] is not None:
-        new_masters[i] = _compat.move(outs[3][j], _compat.memory_space_of(masters[i]))
-
-  if not write_params:
-    mastered = [i for i in range(n) if masters[i] is not None]
-    diffs = _subtract_where_params_live([updates[i] for i in mastered], [params[i] for i in mastered],
-                                        [update_dtypes[i] for i in mastered])
-    for i, d in zip(mastered, diffs):
-      updates[i] = d
-  return updates, new_mus, new_nus, new_masters
-
-
-def _host_kernel(kernel: Callable) -> Callable:
-  """The kernel for a host-compute group.
-
-  On a single-device CPU backend the native kernel runs there too (host
-  compute is the same CPU), emitted directly: GPT-2 shapes x 0.25, host tier,
-  20-25 ms against 31-32 ms for the XLA rule (2-core CPU, 2026-11-30). With
-  several devices, and on accelerator backends, host compute runs the XLA
-  rule: a CPU custom call inside a GPU program's host region has not been
-  compiled or measured on a GPU yet.
-  """
-  if kernel is native_cpu.update_leaves and jax.default_backend() == "cpu" and jax.device_count() == 1:
-    return functools.partial(native_cpu.update_leaves, direct=True)
-  return reference.update_leaves
-
-
-def _subtract_where_params_live(new_params: Sequence[jax.Array], params: Sequence[jax.Array],
-                                dtypes: Sequence[Any]) -> list:
-  """``new - old`` in ``dtype`` per leaf, on the device or, for host-resident params, in host compute."""
-  diff = lambda a, b, dt: a.astype(dt) - b.astype(dt)
-  out = [None] * len(params)
-  host = [i for i, p in enumerate(params) if _compat.memory_space_of(p) == HOST]
-  for i, p in enumerate(params):
-    if i not in host:
-      out[i] = diff(new_params[i], p, dtypes[i])
+  n = len(columns[0])
+  static = [None] * n if static is None else list(static)
+  rows = list(zip(*columns))
+  on_host = [_compat.memory_space_of(row[0]) == HOST for row in rows]
+  out = [None if h else fn(*row, st) for row, h, st in zip(rows, on_host, static)]
+  host = [i for i in range(n) if on_host[i]]
   if host:
-    fn = _compat.host_compute(lambda a, b: [diff(x, y, dtypes[i]) for x, y, i in zip(a, b, host)],
-                              out_memory_spaces=HOST)
-    for i, d in zip(host, fn([new_params[i] for i in host], [params[i] for i in host])):
-      out[i] = d
+    run = _compat.host_compute(lambda rows: [fn(*row, static[i]) for i, row in zip(host, rows)],
+                               out_memory_spaces=HOST)
+    for i, r in zip(host, run([tuple(_compat.move(x, HOST) for x in rows[i]) for i in host])):
+      out[i] = r
   return out
 
 
@@ -492,27 +333,15 @@ def apply_updates(params: Any, updates: Any) -> Any:
         f"params: {treedef}, updates: {jax.tree.structure(updates)}."
     ) from e
 
-  def add(p, u):
+  def add(p, u, _):
     return jnp.asarray(p + u).astype(jnp.asarray(p).dtype)
 
+  present = [i for i, p in enumerate(p_leaves) if p is not None]
+  sums = map_where_they_live(add, [p_leaves[i] for i in present],
+                             [_compat.move(u_leaves[i], _compat.memory_space_of(p_leaves[i])) for i in present])
   out = [None] * len(p_leaves)
-  host_idx = []
-  for i, (p, u) in enumerate(zip(p_leaves, u_leaves)):
-    if p is None:
-      continue
-    if _compat.memory_space_of(p) == HOST:
-      host_idx.append(i)
-    else:
-      out[i] = add(p, _compat.move(u, DEVICE))
-  if host_idx:
-    host_add = _compat.host_compute(
-        lambda ps, us: [add(p, u) for p, u in zip(ps, us)], out_memory_spaces=HOST
-    )
-    results = host_add(
-        [p_leaves[i] for i in host_idx], [_compat.move(u_leaves[i], HOST) for i in host_idx]
-    )
-    for i, r in zip(host_idx, results):
-      out[i] = r
+  for i, r in zip(present, sums):
+    out[i] = r
   return jax.tree.unflatten(treedef, out)
 
 

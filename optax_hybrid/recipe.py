@@ -21,6 +21,7 @@ import numpy as np
 import optax
 
 from optax_hybrid import _checks, _compat, placement
+from optax_hybrid.paths import path_name, path_names  # path_name is documented here too
 from optax_hybrid.schedules import warmup_cosine_schedule
 from optax_hybrid.transform import HybridAdamState, hybrid_adamw
 
@@ -37,53 +38,6 @@ _FROZEN_LABEL = "<frozen>"
 # ``pos_embedding``-style names of the Flax examples).
 _NO_DECAY_NAMES = ("bias", "scale")
 _NO_DECAY_SUFFIX = "embedding"
-
-
-# ---------------------------------------------------------------------------
-# Parameter paths
-# ---------------------------------------------------------------------------
-
-
-def _key_name(key: Any) -> str:
-  if isinstance(key, jax.tree_util.DictKey):
-    return str(key.key)
-  if isinstance(key, jax.tree_util.GetAttrKey):
-    return key.name
-  if isinstance(key, jax.tree_util.SequenceKey):
-    return str(key.idx)
-  if isinstance(key, jax.tree_util.FlattenedIndexKey):
-    return str(key.key)
-  return str(key)
-
-
-def path_names(key_path: tuple) -> tuple[str, ...]:
-  """The names along a JAX key path, without the ``.value`` step of a Flax NNX Variable.
-
-  ``nnx.state(model)`` flattens a parameter to ``('l1', 'kernel', .value)``
-  while ``nnx.Optimizer.update`` hands the transform plain arrays at
-  ``('l1', 'kernel')``; dropping the trailing ``.value`` attribute makes both
-  name the same parameter.
-  """
-  keys = list(key_path)
-  if keys and isinstance(keys[-1], jax.tree_util.GetAttrKey) and keys[-1].name == "value":
-    keys.pop()
-  return tuple(_key_name(k) for k in keys)
-
-
-def path_name(key_path: tuple) -> str:
-  """The ``'/'``-joined parameter path that ``param_groups`` patterns are matched against.
-
-  Dict keys, attribute names and sequence indices are joined with ``/``; a
-  Flax NNX Variable's ``.value`` step is left out.
-
-  Example:
-    >>> import jax, jax.numpy as jnp
-    >>> from optax_hybrid.recipe import path_name
-    >>> params = {"encoder": {"layers": [{"kernel": jnp.ones((2, 2))}]}}
-    >>> [path_name(p) for p, _ in jax.tree_util.tree_leaves_with_path(params)]
-    ['encoder/layers/0/kernel']
-  """
-  return "/".join(path_names(key_path))
 
 
 def flax_weight_decay_rule(path: str, param: Any) -> bool:
@@ -454,7 +408,7 @@ def accumulate_gradients(inner: optax.GradientTransformation, every_k: int) -> o
     return jnp.promote_types(dtype, jnp.float32)
 
   def init_fn(params):
-    acc = jax.tree.map(lambda p: placement.zeros_placed(p, acc_dtype(p.dtype), placement._param_memory_kind(p)),
+    acc = jax.tree.map(lambda p: placement.zeros_placed(p, acc_dtype(p.dtype), placement.param_memory_kind(p)),
                        params)
     inner_state = inner.init(params)
     counts = [x for x in jax.tree.leaves(inner_state) if np.ndim(x) == 0]

@@ -19,7 +19,7 @@ import numpy as np
 
 from optax_hybrid import _compat
 from optax_hybrid.disk import DiskMoment
-from optax_hybrid.recipe import path_name, path_names
+from optax_hybrid.paths import path_name, path_names
 from optax_hybrid.transform import HybridAdamState
 
 DEVICE, HOST, DISK = "device", "host", "disk"

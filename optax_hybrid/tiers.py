@@ -28,7 +28,6 @@ host; their tier is reported as ``host``.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import numbers
 from typing import Any, Sequence
@@ -40,41 +39,12 @@ from optax_hybrid import _compat, placement
 
 DEVICE_TIER, HOST_STATE_TIER, HOST_TIER, DISK_TIER = "device", "host_state", "host", "disk"
 TIERS = (DEVICE_TIER, HOST_STATE_TIER, HOST_TIER, DISK_TIER)
-# What the state of a disk leaf is placed as: its moments are files, not memory.
-DISK_KIND = "disk"
-_STATE_KIND = {DEVICE_TIER: placement.DEVICE_KIND, HOST_STATE_TIER: placement.HOST_KIND,
-               HOST_TIER: placement.HOST_KIND, DISK_TIER: DISK_KIND}
+# The memory kind of each tier's state in memory: the moments, or for the disk
+# tier (moments in files) the master copy.
+STATE_KIND = {DEVICE_TIER: placement.DEVICE_KIND, HOST_STATE_TIER: placement.HOST_KIND,
+              HOST_TIER: placement.HOST_KIND, DISK_TIER: placement.HOST_KIND}
 
 TierSpec = Any  # None | str | Callable[[tuple, Any], str | None] | a pytree prefix of str
-
-
-@jax.tree_util.register_static
-@dataclasses.dataclass(frozen=True)
-class Plan:
-  """Each leaf's tier, in the order of the params' leaves. Static: part of the tree structure.
-
-  Attributes:
-    tiers: one of :data:`TIERS` per parameter leaf.
-    param_shardings: with ``shard_state_over`` (ZeRO-1), per leaf the param's
-      sharding when its state was sharded further than the param (the update
-      is brought back to it), else None; ``None`` without ZeRO-1.
-    state_shardings: per leaf, the ``NamedSharding`` of its moments (device
-      memory kind) when they span several devices, else None (one device, or
-      traced params that ``init`` could not see placed). A custom kernel runs
-      per shard under ``shard_map`` with these specs
-      (:func:`optax_hybrid.placement.local_sharding`).
-      Only multi-device placements are recorded, so that an abstract
-      ``jax.eval_shape(tx.init, ...)`` of single-device params has the same
-      structure as the real state.
-  """
-
-  tiers: tuple[str, ...]
-  param_shardings: tuple | None = None
-  state_shardings: tuple | None = None
-
-  def on_host(self) -> list[bool]:
-    """Per leaf: is the update computed on the host?"""
-    return [t == HOST_TIER for t in self.tiers]
 
 
 def check_tier_spec(spec: TierSpec) -> None:
@@ -153,8 +123,8 @@ def pick_by_fraction(sizes: Sequence[int], fraction: float, eligible: Sequence[b
 
 def resolve(params: Any, *, tiers: TierSpec, state_memory_kind: placement.MemoryKindSpec,
             offload_fraction: float | None, nvme_offload_fraction: float | None = None
-            ) -> tuple[Plan, list[str]]:
-  """Each leaf's tier and its state's memory kind (:data:`DISK_KIND` for files), in leaf order.
+            ) -> tuple[list[str], list[str]]:
+  """Each leaf's tier and the memory kind of its in-memory state, in leaf order.
 
   ``tiers`` (if given) chooses the tier; otherwise ``state_memory_kind`` does
   (``"device"`` -> device, ``"pinned_host"`` -> host_state, ``None`` -> beside
@@ -164,12 +134,12 @@ def resolve(params: Any, *, tiers: TierSpec, state_memory_kind: placement.Memory
   already moved.
   """
   leaves = jax.tree.leaves(params)
-  param_kinds = [placement._param_memory_kind(p) for p in leaves]
+  param_kinds = [placement.param_memory_kind(p) for p in leaves]
   wanted = _spec_leaves(tiers, params)
   if tiers is None:
     kinds = jax.tree.leaves(placement.resolve_state_kinds(params, state_memory_kind))
   else:
-    kinds = [_STATE_KIND[t] if t is not None else k for t, k in zip(wanted, param_kinds)]
+    kinds = [STATE_KIND[t] if t is not None else k for t, k in zip(wanted, param_kinds)]
   names = []
   for path_leaf, want, kind, pkind in zip(jax.tree_util.tree_leaves_with_path(params), wanted, kinds, param_kinds):
     if pkind == placement.HOST_KIND and want == DISK_TIER:
@@ -188,12 +158,12 @@ def resolve(params: Any, *, tiers: TierSpec, state_memory_kind: placement.Memory
       movable = [n not in (HOST_TIER, DISK_TIER) and k != placement.HOST_KIND for n, k in zip(names, param_kinds)]
       for i, take in enumerate(pick_by_fraction(sizes, fraction, movable)):
         if take:
-          names[i], kinds[i] = tier, _STATE_KIND[tier]
+          names[i], kinds[i] = tier, STATE_KIND[tier]
   if any(n in (HOST_TIER, DISK_TIER) for n in names):
     first = next(i for i, n in enumerate(names) if n in (HOST_TIER, DISK_TIER))
-    devices = placement._devices_of(leaves[first])
+    devices = placement.devices_of(leaves[first])
     placement.check_memory_kind(placement.HOST_KIND, devices[0], argument="tiers")
-  return Plan(tuple(names)), kinds
+  return names, kinds
 
 
 def zero1_sharding(param: Any, axis: str) -> Any:
@@ -245,9 +215,5 @@ def master_needed(param_dtype: Any, master_dtype: Any) -> bool:
           and param_dtype.itemsize < np.dtype(master_dtype).itemsize)
 
 
-def host_leaves_mask(plan: Plan | None, n: int) -> list[bool]:
-  return [False] * n if plan is None else plan.on_host()
-
-
-__all__ = ["DEVICE_TIER", "DISK_KIND", "DISK_TIER", "HOST_STATE_TIER", "HOST_TIER", "Plan", "TIERS", "TierSpec", "check_fraction",
-           "check_tier_spec", "master_needed", "pick_by_fraction", "resolve"]
+__all__ = ["DEVICE_TIER", "DISK_TIER", "HOST_STATE_TIER", "HOST_TIER", "STATE_KIND", "TIERS", "TierSpec",
+           "check_fraction", "check_tier_spec", "master_needed", "pick_by_fraction", "resolve", "zero1_sharding"]

@@ -72,7 +72,20 @@ def kernel_and_reference(kernel, sizes, pdtype, mdtype, *, adamw_mode, write_par
   s = reference.step_scalars(jnp.int32(4), 3e-2, 0.9, 0.99, 1e-6, 0.1, bias_correction, ok)
 
   def run(k):
-    return jax.jit(lambda g, m, v, p: k(g, m, v, p, decays, out_dtypes, s, adamw_mode=adamw_mode,
-                                        write_params=write_params))(g, m, v, p)
+    return jax.jit(lambda g, m, v, p: call_kernel(k, g, m, v, p, decays, out_dtypes, s, adamw_mode=adamw_mode,
+                                                  write_params=write_params))(g, m, v, p)
 
   return run(kernel), run(reference.update_leaves), (g, m, v, p)
+
+
+def call_kernel(kernel, g, m, v, p, decays, out_dtypes, s, *, adamw_mode, write_params=False, **kwargs):
+  """A kernel on parallel lists, through the kernel contract: returns ``(firsts, new_mus, new_nus)``.
+
+  Params are passed to the kernel only where it reads them (decay or ``write_params``), as the step does.
+  """
+  from optax_hybrid.kernels import LeafFacts, LeafOperands, Rule
+  leaves = [LeafOperands(gi, mi, vi, pi if (d or write_params) else None)
+            for gi, mi, vi, pi, d in zip(g, m, v, p, decays)]
+  facts = [LeafFacts(d, dt) for d, dt in zip(decays, out_dtypes)]
+  results = kernel(leaves, facts, s, Rule(adamw_mode, write_params), **kwargs)
+  return [r.first for r in results], [r.mu for r in results], [r.nu for r in results]

@@ -10,7 +10,7 @@ import pytest
 
 from optax_hybrid import kernels
 from optax_hybrid.kernels import native_cpu, pallas_gpu, reference
-from stepping import kernel_and_reference
+from stepping import call_kernel, kernel_and_reference
 
 needs_native = pytest.mark.skipif(not native_cpu.available(), reason=f"native kernel: {native_cpu.why_unavailable()}")
 
@@ -20,16 +20,27 @@ def test_native_kernel_is_built_where_a_compiler_exists():
     assert native_cpu.available(), native_cpu.why_unavailable()
 
 
-def test_kernel_selection():
-  assert kernels.resolve_kernel("xla") is reference.update_leaves
-  expected = native_cpu.update_leaves if native_cpu.available() else reference.update_leaves
-  assert kernels.resolve_kernel("auto", fused=True) is expected
-  assert kernels.resolve_kernel("auto", fused=False) is reference.update_leaves  # measured faster
-  assert kernels.resolve_kernel("native") is expected
-  assert kernels.resolve_kernel("native", fused=True) is expected
-  assert kernels.resolve_kernel("pallas") is pallas_gpu.update_leaves
+def test_kernel_choice_follows_the_platform_the_step_is_lowered_for():
+  native = native_cpu.update_leaves if native_cpu.available() else reference.update_leaves
+  pallas = pallas_gpu.update_leaves
+  assert kernels.kernels_for("xla", fused=True) == {"default": reference.update_leaves}
+  assert kernels.kernels_for("auto", fused=True) == {"cuda": pallas, "rocm": pallas, "cpu": native,
+                                                     "default": reference.update_leaves}
+  # update: XLA fuses the caller's p + u into the rule on a CPU (measured faster).
+  assert kernels.kernels_for("auto", fused=False)["cpu"] is reference.update_leaves
+  assert kernels.kernels_for("native", fused=False) == {"default": native}
+  assert kernels.kernels_for("pallas", fused=False) == {"default": pallas}
+  # Several devices with unknown placement: the rule, which GSPMD partitions.
+  assert kernels.kernels_for("pallas", fused=True, split="xla") == {"default": reference.update_leaves}
+  # Host compute: the native kernel only on a one-device CPU backend.
+  host = kernels.kernels_for("auto", fused=True, runs_on="host")
+  assert host["default"] is reference.update_leaves
+  assert ("cpu" in host) == native_cpu.available()
+  assert kernels.kernels_for("auto", fused=True, runs_on="host", split="shard_map") == {
+      "default": reference.update_leaves}
+  assert kernels.kernels_for("auto", fused=False, runs_on="host") == {"default": reference.update_leaves}
   with pytest.raises(ValueError, match="'auto', 'xla', 'native', 'pallas'"):
-    kernels.resolve_kernel("triton")
+    kernels.kernels_for("triton", fused=True)
 
 
 @pytest.mark.parametrize("adamw_mode,bias_correction,decay", list(itertools.product([True, False], repeat=3)))
@@ -124,14 +135,15 @@ def test_one_custom_call_for_many_leaves_and_fallback_for_the_rest():
   decays = [True] * len(g)
   dtypes = [jnp.result_type(a.dtype, b.dtype, c.dtype) for a, b, c in zip(g, m, v)]
   s = reference.step_scalars(jnp.int32(0), 1e-2, 0.9, 0.999, 1e-8, 0.1, True)
-  fn = lambda kernel: (lambda g, m, v, p: kernel(g, m, v, p, decays, dtypes, s, adamw_mode=True))
+  fn = lambda kernel: (lambda g, m, v, p: call_kernel(kernel, g, m, v, p, decays, dtypes, s, adamw_mode=True))
   lowered = jax.jit(fn(native_cpu.update_leaves)).lower(g, m, v, p).as_text()
   assert lowered.count(f"custom_call @{native_cpu.TARGET}(") == 1  # not one call per leaf
   # Past MAX_LEAVES_PER_CALL the leaves are split over a few calls (compile time).
   many = [jnp.full((2,), 0.5, jnp.float32)] * (2 * native_cpu.MAX_LEAVES_PER_CALL + 1)
   zeros = [jnp.zeros(2)] * len(many)
-  lowered_many = jax.jit(lambda g, m, v, p: native_cpu.update_leaves(
-      g, m, v, p, [False] * len(many), [jnp.float32] * len(many), s, adamw_mode=True)).lower(
+  lowered_many = jax.jit(lambda g, m, v, p: call_kernel(
+      native_cpu.update_leaves, g, m, v, p, [False] * len(many), [jnp.float32] * len(many), s,
+      adamw_mode=True)).lower(
           many, zeros, zeros, many).as_text()
   assert lowered_many.count(f"custom_call @{native_cpu.TARGET}(") == 3
   got = jax.jit(fn(native_cpu.update_leaves))(g, m, v, p)
@@ -146,11 +158,11 @@ def test_without_the_library_the_xla_path_is_used_with_one_warning(monkeypatch):
   assert not native_cpu.available()
   assert "not built" in native_cpu.why_unavailable()
   with pytest.warns(RuntimeWarning, match="native CPU kernel unavailable"):
-    assert kernels.resolve_kernel("native", fused=True) is reference.update_leaves
+    assert kernels.kernels_for("native", fused=True) == {"default": reference.update_leaves}
   import warnings
   with warnings.catch_warnings():
     warnings.simplefilter("error")  # only once
-    assert kernels.resolve_kernel("native", fused=True) is reference.update_leaves
+    assert kernels.kernels_for("native", fused=True) == {"default": reference.update_leaves}
 
 
 # --- the native kernel through hybrid_adamw, against the float64 model -------

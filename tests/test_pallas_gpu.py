@@ -16,7 +16,7 @@ import pytest
 import optax_hybrid
 from optax_hybrid import kernels, placement
 from optax_hybrid.kernels import pallas_gpu, reference
-from stepping import kernel_and_reference, run_with_injected_hyperparams
+from stepping import call_kernel, kernel_and_reference, run_with_injected_hyperparams
 
 B = pallas_gpu.BLOCK_SIZE
 # A scalar, a single element, odd sizes, an empty leaf, and leaves spanning
@@ -72,7 +72,7 @@ def test_leaves_the_kernel_does_not_take_use_the_reference_in_the_same_step():
   p = [x + 1 for x in g]
   s = reference.step_scalars(jnp.int32(0), 1e-2, 0.9, 0.999, 1e-8, 0.1, True)
   args = ([True] * 3, [x.dtype for x in g], s)
-  fn = lambda k: jax.jit(lambda g, m, v, p: k(g, m, v, p, *args, adamw_mode=True, write_params=True))
+  fn = lambda k: jax.jit(lambda g, m, v, p: call_kernel(k, g, m, v, p, *args, adamw_mode=True, write_params=True))
   lowered = fn(pallas_gpu.update_leaves).trace(g, m, v, p).lower(lowering_platforms=("cuda",)).as_text()
   assert pallas_gpu.gpu_launches(lowered) == 1  # only the float32 leaf
   for a, b in zip(jax.tree.leaves(fn(pallas_gpu.update_leaves)(g, m, v, p)),
@@ -83,7 +83,7 @@ def test_leaves_the_kernel_does_not_take_use_the_reference_in_the_same_step():
 def test_block_size_must_be_a_power_of_two():
   s = reference.step_scalars(jnp.int32(0), 1e-2, 0.9, 0.999, 1e-8, 0.0, True)
   with pytest.raises(ValueError, match="`block_size` must be a positive power of two"):
-    pallas_gpu.update_leaves([jnp.ones(3)], [jnp.zeros(3)], [jnp.zeros(3)], [None], [False], [jnp.float32], s,
+    call_kernel(pallas_gpu.update_leaves, [jnp.ones(3)], [jnp.zeros(3)], [jnp.zeros(3)], [None], [False], [jnp.float32], s,
                              adamw_mode=True, block_size=1000)
 
 
@@ -123,11 +123,14 @@ def test_cuda_lowering_aliases_params_and_moments_in_place():
   assert call.count("#stablehlo.output_operand_alias<") == 9
 
 
-def test_auto_is_the_pallas_kernel_on_a_gpu(monkeypatch):
-  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-  assert kernels.resolve_kernel("auto", fused=True) is pallas_gpu.update_leaves
-  assert kernels.resolve_kernel("auto", fused=False) is pallas_gpu.update_leaves
-  assert kernels.resolve_kernel("xla", fused=True) is reference.update_leaves
+@pytest.mark.parametrize("fused", [True, False])
+def test_auto_lowered_for_cuda_is_the_pallas_kernel_even_when_traced_on_a_cpu(fused):
+  # The kernel choice follows the lowering platform, not the process's backend.
+  assert jax.default_backend() == "cpu"
+  tx = optax_hybrid.hybrid_adamw(1e-3, weight_decay=0.1, kernel="auto")
+  assert pallas_gpu.gpu_launches(lower_for_cuda(tx, 3, fused=fused)) == 1
+  tx = optax_hybrid.hybrid_adamw(1e-3, weight_decay=0.1, kernel="xla")
+  assert pallas_gpu.gpu_launches(lower_for_cuda(tx, 3, fused=fused)) == 0
 
 
 # --- through hybrid_adamw ----------------------------------------------------

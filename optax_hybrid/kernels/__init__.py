@@ -17,14 +17,18 @@ does the split and the merge).
 
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 import jax
 
-from optax_hybrid.kernels import native_cpu, pallas_gpu, reference
-from optax_hybrid.kernels.reference import AdamScalars, step_scalars
+from optax_hybrid.kernels import contract, native_cpu, pallas_gpu, reference
+from optax_hybrid.kernels.contract import AdamScalars, LeafFacts, LeafOperands, LeafResult, Rule
+from optax_hybrid.kernels.reference import step_scalars
 
 KERNEL_NAMES = ("auto", "xla", "native", "pallas")
+
+Kernel = Callable[..., list]
 
 
 def check_kernel_name(kernel: str) -> str:
@@ -41,32 +45,7 @@ def check_kernel_name(kernel: str) -> str:
   return kernel
 
 
-def resolve_kernel(kernel: str, *, fused: bool = False) -> Callable:
-  """Maps a ``kernel=`` argument to the function that runs the step.
-
-  ``fused`` says which path asks: ``tx.step`` (new params written in place) or
-  the Optax ``update`` contract (an update returned). ``"auto"`` picks what
-  measures fastest on a CPU (``benchmarks/step.py``): the native kernel for the
-  fused step; the XLA rule for ``update``, where XLA fuses the caller's
-  ``p + u`` into the step and the custom call would write a full-size update
-  buffer instead. On a GPU backend ``"auto"`` is the Pallas kernel for both.
-
-  Both custom kernels are single-device code; with several devices
-  :func:`optax_hybrid.placement.run_placed_update` runs them per shard under
-  ``shard_map`` (or uses the XLA rule where the placement is unknown).
-
-  Raises:
-    ValueError: for an unknown name.
-  """
-  check_kernel_name(kernel)
-  if kernel == "xla":
-    return reference.update_leaves
-  if kernel == "pallas" or (kernel == "auto" and jax.default_backend() == "gpu"):
-    return pallas_gpu.update_leaves
-  if kernel == "auto" and not fused:
-    return reference.update_leaves
-  # The compiled CPU kernel where it is built. It only runs for CPU-resident
-  # leaves; elsewhere it hands over to the XLA rule.
+def _native_or_reference(kernel: str) -> Kernel:
   if native_cpu.available():
     return native_cpu.update_leaves
   if kernel == "native" or jax.default_backend() == "cpu":
@@ -74,4 +53,51 @@ def resolve_kernel(kernel: str, *, fused: bool = False) -> Callable:
   return reference.update_leaves
 
 
-__all__ = ["AdamScalars", "KERNEL_NAMES", "check_kernel_name", "native_cpu", "pallas_gpu", "reference", "resolve_kernel", "step_scalars"]
+def kernels_for(kernel: str, *, fused: bool, runs_on: str = "device", split: str = "direct") -> dict[str, Kernel]:
+  """The kernel each platform runs, as ``{platform: kernel}`` for ``lax.platform_dependent``.
+
+  The choice follows the platform the step is *lowered* for, not the process's
+  default backend, so a step traced on a CPU and lowered for CUDA (the
+  GPU-compile check) is the step a GPU runs. ``"default"`` covers every other
+  platform.
+
+  * ``"xla"``: the reference rule everywhere.
+  * ``"pallas"``: the Pallas kernel (Triton on CUDA and ROCm, interpret mode
+    elsewhere).
+  * ``"native"``: the compiled CPU kernel (its own ``platform_dependent``
+    hands other platforms to the reference).
+  * ``"auto"``: Pallas on CUDA and ROCm; on a CPU the native kernel for the
+    fused ``tx.step`` and the reference for ``update``, where XLA fuses the
+    caller's ``p + u`` into the step and the custom call would write a
+    full-size update buffer instead (``benchmarks/step.py``).
+
+  ``runs_on="host"`` (host compute) runs the native kernel on a
+  single-device CPU backend (``split="direct"``), where host compute is the
+  same CPU, and the reference elsewhere: a CPU custom call inside a GPU
+  program's host region is not something XLA:GPU compiles.
+  A custom kernel is single-device code: with ``split="xla"`` (several
+  devices, placement unknown) the reference runs instead; with
+  ``"shard_map"`` the caller runs it per shard.
+
+  Raises:
+    ValueError: for an unknown name.
+  """
+  check_kernel_name(kernel)
+  wants_native = kernel == "native" or (kernel == "auto" and fused)
+  if runs_on == "host":
+    if wants_native and split == "direct" and native_cpu.available():
+      return {"cpu": functools.partial(native_cpu.update_leaves, direct=True), "default": reference.update_leaves}
+    return {"default": reference.update_leaves}
+  if kernel == "xla" or split == "xla":
+    return {"default": reference.update_leaves}
+  if kernel == "pallas":
+    return {"default": pallas_gpu.update_leaves}
+  if kernel == "native":
+    return {"default": _native_or_reference(kernel)}
+  on_cpu = _native_or_reference(kernel) if fused else reference.update_leaves
+  return {"cuda": pallas_gpu.update_leaves, "rocm": pallas_gpu.update_leaves, "cpu": on_cpu,
+          "default": reference.update_leaves}
+
+
+__all__ = ["AdamScalars", "KERNEL_NAMES", "LeafFacts", "LeafOperands", "LeafResult", "Rule", "check_kernel_name",
+           "contract", "kernels_for", "native_cpu", "pallas_gpu", "reference", "step_scalars"]

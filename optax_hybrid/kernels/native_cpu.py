@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from optax_hybrid.kernels import reference
+from optax_hybrid.kernels import contract, reference
 
 TARGET = "optax_hybrid_adamw_cpu"
 _SYMBOL = "OptaxHybridAdamWCpu"
@@ -80,27 +80,19 @@ def warn_fallback_once() -> None:
                   RuntimeWarning, stacklevel=3)
 
 
-_STORAGE = {np.dtype(jnp.float32), np.dtype(jnp.bfloat16), np.dtype(jnp.float16)}
 _F32 = np.dtype(jnp.float32)
 
 
-def supports(grad, mu, nu, param, update_dtype, *, write_params: bool = False) -> bool:
+def supports(leaf: contract.LeafOperands, fact: contract.LeafFacts, rule: contract.Rule) -> bool:
   """Whether the compiled loops cover this leaf's dtypes (see ``run_leaf`` in the C++)."""
-  t = np.dtype(grad.dtype)
-  s = np.dtype(mu.dtype)
-  if t not in _STORAGE or s != np.dtype(nu.dtype) or s not in (_F32, t):
+  t = np.dtype(leaf.grad.dtype)
+  s = np.dtype(leaf.mu.dtype)
+  if t not in contract.STORAGE_DTYPES or s != np.dtype(leaf.nu.dtype) or s not in (_F32, t):
     return False
-  if param is not None and np.dtype(param.dtype) != t:
+  if leaf.param is not None and np.dtype(leaf.param.dtype) != t:
     return False
-  expected = t if write_params else (_F32 if s == _F32 else t)
-  return np.dtype(update_dtype) == expected
-
-
-def _pack_scalars(s: reference.AdamScalars) -> jax.Array:
-  step_ok = jnp.ones([], jnp.float32) if s.step_ok is None else s.step_ok.astype(jnp.float32)
-  return jnp.stack([
-      s.learning_rate, s.b1, s.b2, s.eps, s.weight_decay, s.bias_correction1, s.bias_correction2_sqrt, step_ok,
-  ]).astype(jnp.float32)
+  expected = t if rule.write_params else (_F32 if s == _F32 else t)
+  return np.dtype(fact.out_dtype) == expected
 
 
 # Leaves per custom call. XLA's compile time grows much faster than linearly in
@@ -110,72 +102,55 @@ def _pack_scalars(s: reference.AdamScalars) -> jax.Array:
 MAX_LEAVES_PER_CALL = 64
 
 
-def _native_call(grads, mus, nus, params, decays, out_dtypes, s, *, adamw_mode, write_params):
-  if len(grads) > MAX_LEAVES_PER_CALL:
-    outs = ([], [], [])
-    for start in range(0, len(grads), MAX_LEAVES_PER_CALL):
-      part = slice(start, start + MAX_LEAVES_PER_CALL)
-      for acc, new in zip(outs, _native_call(grads[part], mus[part], nus[part], params[part], decays[part],
-                                             out_dtypes[part], s, adamw_mode=adamw_mode,
-                                             write_params=write_params)):
-        acc.extend(new)
-    return outs
+def _native_call(leaves, facts, s, rule):
+  """One custom call over at most :data:`MAX_LEAVES_PER_CALL` leaves."""
   operands, has_param, aliases, result_types = [], [], {}, []
-  for i, (g, m, v, p, d, dt) in enumerate(zip(grads, mus, nus, params, decays, out_dtypes)):
+  for i, (leaf, fact) in enumerate(zip(leaves, facts)):
     base = 1 + len(operands)  # operand 0 is the scalars
-    operands += [g, m, v]
+    operands += [leaf.grad, leaf.mu, leaf.nu]
     aliases[base + 1] = 3 * i + 1
     aliases[base + 2] = 3 * i + 2
-    needs_param = write_params or d
-    if needs_param:
-      operands.append(p)
-      if write_params:
+    if leaf.param is not None:
+      operands.append(leaf.param)
+      if rule.write_params:
         aliases[base + 3] = 3 * i  # the new param overwrites the old one in place
-    has_param.append(1 if needs_param else 0)
-    result_types += [jax.ShapeDtypeStruct(g.shape, dt), jax.ShapeDtypeStruct(m.shape, m.dtype),
-                     jax.ShapeDtypeStruct(v.shape, v.dtype)]
+    has_param.append(0 if leaf.param is None else 1)
+    result_types += [jax.ShapeDtypeStruct(leaf.grad.shape, fact.out_dtype),
+                     jax.ShapeDtypeStruct(leaf.mu.shape, leaf.mu.dtype),
+                     jax.ShapeDtypeStruct(leaf.nu.shape, leaf.nu.dtype)]
   call = jax.ffi.ffi_call(TARGET, result_types, input_output_aliases=aliases)
   outs = call(
-      _pack_scalars(s), *operands,
-      adamw_mode=np.int32(adamw_mode), write_params=np.int32(write_params),
-      decay=np.asarray([int(d) for d in decays], np.int32), has_param=np.asarray(has_param, np.int32),
+      contract.pack_scalars(s), *operands,
+      adamw_mode=np.int32(rule.adamw_mode), write_params=np.int32(rule.write_params),
+      decay=np.asarray([int(f.decay) for f in facts], np.int32), has_param=np.asarray(has_param, np.int32),
   )
-  return list(outs[0::3]), list(outs[1::3]), list(outs[2::3])
+  return [contract.LeafResult(*outs[3 * i:3 * i + 3]) for i in range(len(leaves))]
 
 
 def update_leaves(
-    grads: Sequence[jax.Array],
-    mus: Sequence[jax.Array],
-    nus: Sequence[jax.Array],
-    params: Sequence[jax.Array | None],
-    decays: Sequence[bool],
-    update_dtypes: Sequence[Any],
-    s: reference.AdamScalars,
+    leaves: Sequence[contract.LeafOperands],
+    facts: Sequence[contract.LeafFacts],
+    s: contract.AdamScalars,
+    rule: contract.Rule,
     *,
-    adamw_mode: bool,
-    write_params: bool = False,
     direct: bool = False,
-) -> tuple[list, list, list]:
-  """Same contract as :func:`reference.update_leaves`; one custom call for all supported leaves.
+) -> list[contract.LeafResult]:
+  """The kernel contract (:mod:`optax_hybrid.kernels.contract`); one custom call per 64 supported leaves.
 
   ``direct=True`` emits the custom call without ``lax.platform_dependent``:
   for host compute on the CPU backend, where the platform is known and a
   ``platform_dependent`` would type its branches' outputs inconsistently.
   """
-  n = len(grads)
-  rule = dict(adamw_mode=adamw_mode, write_params=write_params)
-  native = [i for i in range(n) if supports(grads[i], mus[i], nus[i],
-                                            params[i] if (decays[i] or write_params) else None,
-                                            update_dtypes[i], write_params=write_params)]
-  if not native or not _load():
-    return reference.update_leaves(grads, mus, nus, params, decays, update_dtypes, s, **rule)
+  if not _load():
+    return reference.update_leaves(leaves, facts, s, rule)
 
-  def run_native(g, m, v, p, decays, dtypes):
-    on_cpu = lambda g, m, v, p: _native_call(g, m, v, p, decays, dtypes, s, **rule)
+  def run_native(leaves, facts):
+    on_cpu = lambda leaves: contract.in_chunks(lambda l, f: _native_call(l, f, s, rule), leaves, facts,
+                                               MAX_LEAVES_PER_CALL)
     if direct:
-      return on_cpu(g, m, v, p)
-    elsewhere = lambda g, m, v, p: reference.update_leaves(g, m, v, p, decays, dtypes, s, **rule)
-    return jax.lax.platform_dependent(g, m, v, p, cpu=on_cpu, default=elsewhere)
+      return on_cpu(leaves)
+    elsewhere = lambda leaves: reference.update_leaves(leaves, facts, s, rule)
+    return jax.lax.platform_dependent(leaves, cpu=on_cpu, default=elsewhere)
 
-  return reference.with_reference_for_the_rest(native, run_native, grads, mus, nus, params, decays,
-                                               update_dtypes, s, **rule)
+  return reference.with_reference_for_the_rest(lambda leaf, fact: supports(leaf, fact, rule), run_native,
+                                               leaves, facts, s, rule)

@@ -21,33 +21,14 @@ square root of :math:`\hat v`, as in PyTorch, ColossalAI and Optax.
 
 from __future__ import annotations
 
-from typing import NamedTuple, Sequence
+from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
 from optax_hybrid import _compat
-
-
-class AdamScalars(NamedTuple):
-  """The per-step scalars of one update, float32, computed once per step.
-
-  ``learning_rate`` multiplies the whole step with a minus sign; the
-  ``scale_by_hybrid_adam`` building block passes ``-1`` to get the raw Adam
-  direction.
-  """
-
-  learning_rate: jax.Array
-  b1: jax.Array
-  b2: jax.Array
-  eps: jax.Array
-  weight_decay: jax.Array
-  bias_correction1: jax.Array  # 1 - b1**t, or 1 without bias correction
-  bias_correction2_sqrt: jax.Array  # sqrt(1 - b2**t), or 1
-  # A bool scalar, or None: when False the step is skipped (zero update,
-  # moments unchanged). Selecting inside the step costs no extra pass.
-  step_ok: jax.Array | None = None
+from optax_hybrid.kernels.contract import AdamScalars, LeafFacts, LeafOperands, LeafResult, Rule
 
 
 def step_scalars(
@@ -133,69 +114,40 @@ def adam_leaf_update(
 
 
 def with_reference_for_the_rest(
-    taken: Sequence[int],
-    run_taken,
-    grads: Sequence[jax.Array],
-    mus: Sequence[jax.Array],
-    nus: Sequence[jax.Array],
-    params: Sequence[jax.Array | None],
-    decays: Sequence[bool],
-    update_dtypes: Sequence,
+    takes: Callable[[LeafOperands, LeafFacts], bool],
+    run_taken: Callable[[list, list], list],
+    leaves: Sequence[LeafOperands],
+    facts: Sequence[LeafFacts],
     s: AdamScalars,
-    *,
-    adamw_mode: bool,
-    write_params: bool = False,
-) -> tuple[list, list, list]:
+    rule: Rule,
+) -> list[LeafResult]:
   """Runs a kernel on the leaves it takes and this rule on the others, in the same step.
 
-  ``run_taken(grads, mus, nus, params, decays, update_dtypes)`` gets the
-  leaves at indices ``taken`` (params it does not need are None) and returns
-  ``(firsts, new_mus, new_nus)`` for them; the results are merged back in the
-  original order. The contract every custom kernel follows (module docstring
-  of :mod:`optax_hybrid.kernels`).
+  ``run_taken(leaves, facts)`` gets the leaves for which ``takes(leaf,
+  facts)`` holds and returns their :class:`LeafResult` s; the results are
+  merged back in the original order. The contract every custom kernel follows
+  (module docstring of :mod:`optax_hybrid.kernels`).
   """
-  n = len(grads)
-  taken_set = set(taken)
-  rest = [i for i in range(n) if i not in taken_set]
-  pick = lambda xs, idx: [xs[i] for i in idx]
-  taken_out = ([], [], [])
-  if taken:
-    taken_out = run_taken(pick(grads, taken), pick(mus, taken), pick(nus, taken),
-                          [params[i] if (decays[i] or write_params) else None for i in taken],
-                          pick(decays, taken), pick(update_dtypes, taken))
-  rest_out = update_leaves(pick(grads, rest), pick(mus, rest), pick(nus, rest), pick(params, rest),
-                           pick(decays, rest), pick(update_dtypes, rest), s, adamw_mode=adamw_mode,
-                           write_params=write_params)
-  firsts, new_mus, new_nus = [None] * n, [None] * n, [None] * n
-  for source, idx in ((taken_out, taken), (rest_out, rest)):
-    for j, i in enumerate(idx):
-      firsts[i], new_mus[i], new_nus[i] = source[0][j], source[1][j], source[2][j]
-  return firsts, new_mus, new_nus
+  taken = [takes(leaf, fact) for leaf, fact in zip(leaves, facts)]
+  pick = lambda xs, want: [x for x, t in zip(xs, taken) if t == want]
+  kernel_out = iter(run_taken(pick(leaves, True), pick(facts, True)) if any(taken) else [])
+  rule_out = iter(update_leaves(pick(leaves, False), pick(facts, False), s, rule))
+  return [next(kernel_out) if t else next(rule_out) for t in taken]
 
 
 def update_leaves(
-    grads: Sequence[jax.Array],
-    mus: Sequence[jax.Array],
-    nus: Sequence[jax.Array],
-    params: Sequence[jax.Array | None],
-    decays: Sequence[bool],
-    update_dtypes: Sequence,
+    leaves: Sequence[LeafOperands],
+    facts: Sequence[LeafFacts],
     s: AdamScalars,
-    *,
-    adamw_mode: bool,
-    write_params: bool = False,
-) -> tuple[list, list, list]:
+    rule: Rule,
+) -> list[LeafResult]:
   """Applies :func:`adam_leaf_update` leaf by leaf; XLA fuses each leaf's step.
 
-  Returns ``(updates, new_mus, new_nus)``, or ``(new_params, new_mus,
-  new_nus)`` with ``write_params=True``.
+  Returns one :class:`LeafResult` per leaf: ``(update, new_mu, new_nu)``, or
+  ``(new_param, new_mu, new_nu)`` with ``rule.write_params``.
   """
-  outs = [
-      adam_leaf_update(g, m, v, p, s, adamw_mode=adamw_mode, decay=d, update_dtype=dt,
-                       write_params=write_params)
-      for g, m, v, p, d, dt in zip(grads, mus, nus, params, decays, update_dtypes)
+  return [
+      LeafResult(*adam_leaf_update(leaf.grad, leaf.mu, leaf.nu, leaf.param, s, adamw_mode=rule.adamw_mode,
+                                   decay=fact.decay, update_dtype=fact.out_dtype, write_params=rule.write_params))
+      for leaf, fact in zip(leaves, facts)
   ]
-  if not outs:
-    return [], [], []
-  updates, new_mus, new_nus = (list(x) for x in zip(*outs))
-  return updates, new_mus, new_nus

@@ -1,0 +1,275 @@
+"""The stages of one optimizer step, in the order :func:`optax_hybrid.transform` runs them.
+
+check and gather the leaves by plan -> load disk moments -> run each group of
+leaves where the plan says -> gather ZeRO-1 updates -> store disk moments.
+
+Every stage reads the static :class:`optax_hybrid.plan.Plan`; none of them
+looks at the params' placement or re-resolves an option. Per-leaf data
+travels as one :class:`LeafIn` / :class:`LeafOut` record per leaf.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from optax_hybrid import _compat, disk, placement
+from optax_hybrid._compat import DEVICE, HOST
+from optax_hybrid.kernels import AdamScalars, LeafFacts, LeafOperands, Rule, kernels_for, reference
+from optax_hybrid.plan import STREAM_LAG, LeafPlan, Plan, check_inexact_leaves
+
+
+class LeafIn(NamedTuple):
+  """One leaf's inputs to the step, each in the memory space the plan gives it."""
+
+  grad: Any
+  mu: Any  # an array, or a disk.DiskMoment until load_disk_moments
+  nu: Any
+  param: Any = None
+  master: Any = None
+
+
+class LeafOut(NamedTuple):
+  """One leaf's results: the update (or new param) in the param's space, new state in the state's."""
+
+  first: Any
+  mu: Any
+  nu: Any
+  master: Any = None
+
+
+def space_of_kind(kind: str) -> Any:
+  return HOST if kind == placement.HOST_KIND else DEVICE
+
+
+def gather(grads: Any, state: Any, params: Any, plan: Plan, *, write_params: bool, disk_closed: bool
+           ) -> tuple[Any, list[LeafIn]]:
+  """Checks the step's inputs against the state and returns ``(treedef, one LeafIn per leaf)``.
+
+  Each state leaf (and a host-resident param) is typed with the memory space
+  its plan gives it: a ``jax.ShapeDtypeStruct`` placed in ``pinned_host`` is
+  traced as a device value by JAX, and trusting that type would compile a
+  different program for abstract inputs than for real arrays.
+
+  Raises:
+    ValueError, TypeError: for gradients, params or a state that do not fit
+      each other, with the leaf named.
+  """
+  grad_leaves, treedef = jax.tree.flatten(grads)
+  try:
+    mu_leaves = treedef.flatten_up_to(state.mu)
+    nu_leaves = treedef.flatten_up_to(state.nu)
+  except (ValueError, TypeError) as e:
+    raise ValueError(
+        "hybrid_adamw: the gradients' tree structure does not match the "
+        f"optimizer state's; gradients: {treedef}, state.mu: "
+        f"{jax.tree.structure(state.mu)}. Pass gradients for the same params "
+        "tree the state was initialized with."
+    ) from e
+  check_inexact_leaves(grads, "gradient")
+  if len(plan.leaves) != len(grad_leaves):
+    raise ValueError(
+        f"hybrid_adamw: the state's placement plan has {len(plan.leaves)} leaves but the gradients "
+        f"have {len(grad_leaves)}; pass gradients for the params the state was initialized with.")
+  for leaf, g, m in zip(plan.leaves, grad_leaves, mu_leaves):
+    if isinstance(m, disk.DiskMoment):
+      if disk_closed:
+        raise ValueError(f"hybrid_adamw: the disk-tier files of {leaf.path} were removed by tx.close(); "
+                         "initialize a new state.")
+      m = jax.ShapeDtypeStruct(m.shape, np.dtype(m.dtype))
+    if np.shape(g) != np.shape(m):
+      raise ValueError(
+          f"hybrid_adamw: the gradient at {leaf.path} has shape {np.shape(g)} but its "
+          f"optimizer state has shape {np.shape(m)}."
+      )
+    if jnp.issubdtype(g.dtype, jnp.complexfloating) != jnp.issubdtype(m.dtype, jnp.complexfloating):
+      raise TypeError(
+          f"hybrid_adamw: the gradient at {leaf.path} has dtype {g.dtype} but its "
+          f"first moment has dtype {m.dtype}: complex params need complex "
+          "gradients and real params real ones."
+      )
+
+  param_leaves: list = [None] * len(grad_leaves)
+  if params is not None:
+    try:
+      param_leaves = treedef.flatten_up_to(params)
+    except (ValueError, TypeError) as e:
+      raise ValueError(
+          "hybrid_adamw: `params` must have the tree structure of the "
+          f"gradients; gradients: {treedef}, params: {jax.tree.structure(params)}."
+      ) from e
+  elif write_params:
+    raise ValueError("hybrid_adamw: tx.step(params, state, grads) needs `params`.")
+  elif any(leaf.decay for leaf in plan.leaves):
+    raise ValueError("hybrid_adamw: weight_decay is non-zero, so `params` is required: call "
+                     "tx.update(grads, state, params).")
+
+  master_leaves = [None] * len(grad_leaves)
+  if state.master is not None:
+    try:
+      master_leaves = treedef.flatten_up_to(state.master)
+    except (ValueError, TypeError) as e:
+      raise ValueError(
+          "hybrid_adamw: the state's master weights do not match the gradients' tree structure; "
+          "pass gradients for the params the state was initialized with.") from e
+    if params is None and any(w is not None for w in master_leaves):
+      raise ValueError(
+          "hybrid_adamw: with master weights, `params` is required: call tx.update(grads, state, "
+          "params) (the update is new_param - param).")
+
+  typed = lambda x, kind: x if x is None or isinstance(x, disk.DiskMoment) else _compat.move(x, space_of_kind(kind))
+  return treedef, [
+      LeafIn(grad=g, mu=typed(m, leaf.state_kind), nu=typed(v, leaf.state_kind),
+             param=typed(p, leaf.param_kind), master=typed(w, leaf.state_kind))
+      for leaf, g, m, v, p, w in zip(plan.leaves, grad_leaves, mu_leaves, nu_leaves, param_leaves, master_leaves)
+  ]
+
+
+def load_disk_moments(leaves: list[LeafIn], plan: Plan, after: jax.Array) -> tuple[list[LeafIn], list]:
+  """Reads the disk tier's moments (one callback, ordered after ``after``). Returns the leaves and what was read."""
+  stored = [(i, leaf.mu, leaf.nu) for i, leaf in enumerate(leaves) if plan.leaves[i].on_disk]
+  if not stored:
+    return leaves, []
+  values = disk.load_in_step([m for _, m, _ in stored] + [v for _, _, v in stored], after=after)
+  leaves = list(leaves)
+  for j, (i, _, _) in enumerate(stored):
+    leaves[i] = leaves[i]._replace(mu=values[j], nu=values[len(stored) + j])
+  return leaves, stored
+
+
+def store_disk_moments(outs: list[LeafOut], stored: list) -> tuple[list[LeafOut], jax.Array | None]:
+  """Writes the disk tier's new moments back (one callback); the state keeps the file handles.
+
+  Returns the results with the disk leaves' moments replaced by their
+  :class:`disk.DiskMoment` s, and the write's int32 zero (None without disk
+  leaves), which the caller adds to the count so the next read waits for it.
+  """
+  if not stored:
+    return outs, None
+  written = disk.store_in_step([m for _, m, _ in stored] + [v for _, _, v in stored],
+                               [outs[i].mu for i, _, _ in stored] + [outs[i].nu for i, _, _ in stored])
+  outs = list(outs)
+  for i, m, v in stored:
+    outs[i] = outs[i]._replace(mu=m, nu=v)
+  return outs, written
+
+
+def run_groups(leaves: list[LeafIn], plan: Plan, s: AdamScalars, *, adamw_mode: bool, write_params: bool,
+               fused: bool) -> list[LeafOut]:
+  """Runs every group of leaves (:attr:`LeafPlan.group`) where its plan says; results in leaf order.
+
+  Groups run in the order of their first leaf. A streamed group's transfers
+  wait for the results of the group :data:`STREAM_LAG` stages before it in
+  the same place, which bounds what is staged (:mod:`optax_hybrid.plan`).
+  The groups share nothing but the step's scalars, so XLA may run the host's
+  and the device's at the same time.
+  """
+  outs: list = [None] * len(leaves)
+  members: dict[tuple, list[int]] = {}
+  for i, leaf in enumerate(plan.leaves):
+    members.setdefault(leaf.group, []).append(i)
+  for key, idx in members.items():
+    where, stage, _ = key
+    group_in = [leaves[i] for i in idx]
+    if plan.leaves[idx[0]].streamed and stage >= STREAM_LAG:
+      before = [i for (w, st, _), js in members.items() if w == where and st == stage - STREAM_LAG for i in js]
+      earlier, group_in = lax.optimization_barrier(([outs[i] for i in before], group_in))
+      for i, out in zip(before, earlier):
+        outs[i] = out
+    results = _run_group([plan.leaves[i] for i in idx], group_in, plan, s, adamw_mode=adamw_mode,
+                         write_params=write_params, fused=fused)
+    for i, out in zip(idx, results):
+      outs[i] = out
+  if not write_params:
+    outs = _master_updates(outs, leaves, plan)
+  return outs
+
+
+def _run_group(plans: Sequence[LeafPlan], leaves: Sequence[LeafIn], plan: Plan, s: AdamScalars, *,
+               adamw_mode: bool, write_params: bool, fused: bool) -> list[LeafOut]:
+  """One group: operands moved to where it runs, the kernel, results moved back where they live."""
+  where = plans[0].runs_on
+  space = HOST if where == "host" else DEVICE
+  mastered = plans[0].master_dtype is not None
+  # Parameters that are not read (no decay, no fused apply, or a master
+  # stands in for them) are not moved either.
+  operands = [
+      LeafOperands(_compat.move(leaf.grad, space), _compat.move(leaf.mu, space), _compat.move(leaf.nu, space),
+                   _compat.move(leaf.master, space) if mastered
+                   else _compat.move(leaf.param, space) if (lp.decay or write_params) else None)
+      for lp, leaf in zip(plans, leaves)]
+  facts = [LeafFacts(lp.decay, lp.master_dtype if mastered else (
+      jnp.asarray(leaf.param).dtype if write_params else jnp.result_type(leaf.grad.dtype, lp.mu_dtype, lp.nu_dtype)))
+           for lp, leaf in zip(plans, leaves)]
+  rule = Rule(adamw_mode, write_params=write_params or mastered)
+  param_dtypes = [jnp.asarray(leaf.param).dtype if mastered else None for leaf in leaves]
+
+  def compute(kernel, operands, s):
+    results = kernel(operands, facts, s, rule)
+    # A master's new param is rounded beside the master, so only the
+    # low-precision value crosses to the param's memory.
+    return [(r.first.astype(dt), r.mu, r.nu, r.first) if mastered else (r.first, r.mu, r.nu, None)
+            for r, dt in zip(results, param_dtypes)]
+
+  kernels = kernels_for(plan.kernel, fused=fused, runs_on=where, split=plan.split)
+  if where == "host":
+    s = AdamScalars(*(None if x is None else _compat.move(x, HOST) for x in s))
+    branches = {p: _compat.host_compute(functools.partial(compute, k), out_memory_spaces=HOST)
+                for p, k in kernels.items()}
+  elif plan.split == "shard_map" and set(kernels.values()) != {reference.update_leaves}:
+    branches = {p: _per_shard(functools.partial(compute, k), plans, plan.mesh, s, operands)
+                for p, k in kernels.items()}
+    operands = [LeafOperands(*(None if x is None else placement.constrain(x, lp.state_sharding) for x in op))
+                for lp, op in zip(plans, operands)]
+  else:
+    branches = {p: functools.partial(compute, k) for p, k in kernels.items()}
+  if list(branches) == ["default"]:
+    results = branches["default"](operands, s)
+  else:
+    results = lax.platform_dependent(operands, s, **branches)
+
+  def back(x, like):
+    return None if x is None else _compat.move(x, _compat.memory_space_of(like))
+
+  return [LeafOut(_compat.move(first, space_of_kind(lp.param_kind)) if lp.param_kind else first,
+                  back(mu, leaf.mu), back(nu, leaf.nu), back(master, leaf.master))
+          for lp, leaf, (first, mu, nu, master) in zip(plans, leaves, results)]
+
+
+def _per_shard(compute, plans: Sequence[LeafPlan], mesh: Any, s: AdamScalars, operands: Sequence[LeafOperands]):
+  """``compute`` under ``shard_map``: every operand of a leaf split like its state, the scalars replicated."""
+  specs = [lp.state_sharding.spec for lp in plans]
+  in_specs = ([LeafOperands(*(None if x is None else sp for x in op)) for op, sp in zip(operands, specs)],
+              AdamScalars(*(None if x is None else jax.sharding.PartitionSpec() for x in s)))
+  out_specs = [(sp, sp, sp, sp if lp.master_dtype is not None else None) for lp, sp in zip(plans, specs)]
+  # check_vma=False: lax.platform_dependent's branches inside the kernels
+  # type their outputs' varying axes differently; the step is elementwise.
+  return jax.shard_map(compute, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
+
+
+def _master_updates(outs: list[LeafOut], leaves: Sequence[LeafIn], plan: Plan) -> list[LeafOut]:
+  """For the Optax contract: a mastered leaf's update is ``new_param - param`` in the master's dtype.
+
+  Computed where the param lives (host-resident params in one host-compute
+  region): added back in that dtype it gives the new param exactly.
+  """
+  mastered = [i for i, lp in enumerate(plan.leaves) if lp.master_dtype is not None]
+  diffs = placement.map_where_they_live(
+      lambda new, old, dtype: new.astype(dtype) - old.astype(dtype),
+      [outs[i].first for i in mastered], [leaves[i].param for i in mastered],
+      static=[plan.leaves[i].master_dtype for i in mastered])
+  outs = list(outs)
+  for i, d in zip(mastered, diffs):
+    outs[i] = outs[i]._replace(first=d)
+  return outs
+
+
+def gather_zero1(outs: list[LeafOut], plan: Plan) -> list[LeafOut]:
+  """ZeRO-1: each device computed its shard of the update; gather it back to the param's sharding."""
+  return [out._replace(first=placement.constrain(out.first, lp.gather_to)) if lp.gather_to is not None else out
+          for lp, out in zip(plan.leaves, outs)]

@@ -1,0 +1,298 @@
+"""The plan: every decision about a leaf that never changes between steps, made once by ``init``.
+
+For each parameter leaf, :func:`make_plan` records its tier, where its update
+runs, where its state lives (memory kind and sharding), its moment and master
+dtypes, whether it takes weight decay, and in which *stage* its state crosses
+the bus. The plan rides in the optimizer state as static data (part of the
+tree structure, no arrays), so the traced step only reads it: it never looks
+at the params' placement or re-resolves an option.
+
+What crosses the bus, and when, is decided here:
+
+* ``host_state`` leaves stream their moments (and master) host -> device ->
+  host; ``host`` leaves send their gradient down and their new param up. Both
+  are cut into stages of about :data:`STREAM_STAGE_BYTES` of state (a leaf
+  larger than that is a stage of its own), in leaf order.
+* The step orders each stage's transfers after the results of the stage two
+  before it (``lax.optimization_barrier``), so at most about three stages of
+  state are on the device at once (two in host temporaries for the ``host``
+  tier), while one stage's copies still overlap the neighbouring stage's
+  arithmetic. Without that order XLA starts every copy as early as it can and
+  holds the whole model's state on the device (measured on the H100 target:
+  13.5 bytes per parameter of device temporaries for fp32 master and moments,
+  against 3-4.5 with stages; ``docs/gpu_compile.md``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from optax_hybrid import _compat, placement, tiers as tiers_lib
+from optax_hybrid.options import Options, is_inexact
+
+# The state bytes a stage of streamed leaves gathers before the next stage
+# starts. Large enough that a stage's copies are long transfers (a PCIe 5 x16
+# link moves 64 MiB in about 1.3 ms), small enough that three stages are a
+# small part of an accelerator's memory.
+STREAM_STAGE_BYTES = 64 * 2**20
+
+# How many stages back a stage's transfers wait for: 2 lets stage k's copies
+# run while stage k-1 computes (double buffering).
+STREAM_LAG = 2
+
+
+@dataclasses.dataclass(frozen=True)
+class LeafPlan:
+  """Everything the step needs to know about one parameter leaf, fixed at ``init``.
+
+  Attributes:
+    path: the leaf's key path as ``jax.tree_util.keystr`` writes it, for messages.
+    tier: ``"device"``, ``"host_state"``, ``"host"`` or ``"disk"``
+      (:mod:`optax_hybrid.tiers`).
+    param_kind: the memory kind the param lives in.
+    state_kind: the memory kind of the in-memory state: the moments, and the
+      master copy (for the disk tier, whose moments are files, the master).
+    mu_dtype, nu_dtype: the moments' storage dtypes.
+    master_dtype: the master copy's dtype, or None when the leaf keeps none.
+    decay: does the leaf take weight decay (the mask, resolved once)?
+    state_sharding: the multi-device ``NamedSharding`` of the state (device
+      memory kind), else None (one device, or params ``init`` saw traced).
+    gather_to: ZeRO-1: the param's sharding, where the state is split further
+      than the param (the update is gathered back to it); else None.
+    stage: the streaming stage of a ``host_state`` or ``host`` leaf; 0 for
+      others.
+    runs_on: ``"host"`` where the update is computed in host compute (the
+      host tier), else ``"device"`` (derived from the tier).
+    on_disk: the moments are files (the disk tier).
+    streamed: the leaf's data crosses the bus each step, in stages
+      (``host_state`` and ``host``).
+    group: the key of the leaves that run together: ``(runs_on, stage,
+      has a master)``.
+  """
+
+  path: str
+  tier: str
+  param_kind: str
+  state_kind: str
+  mu_dtype: Any
+  nu_dtype: Any
+  master_dtype: Any = None
+  decay: bool = False
+  state_sharding: Any = None
+  gather_to: Any = None
+  stage: int = 0
+
+  # Derived once from the tier (see __post_init__), read by every step.
+  runs_on: str = dataclasses.field(init=False)
+  on_disk: bool = dataclasses.field(init=False)
+  streamed: bool = dataclasses.field(init=False)
+  group: tuple = dataclasses.field(init=False)
+
+  def __post_init__(self):
+    derived = {
+        # "host": computed in host compute (the host tier); else on the device.
+        "runs_on": "host" if self.tier == tiers_lib.HOST_TIER else "device",
+        "on_disk": self.tier == tiers_lib.DISK_TIER,
+        # Its data crosses the bus each step, in stages.
+        "streamed": self.tier in (tiers_lib.HOST_STATE_TIER, tiers_lib.HOST_TIER),
+    }
+    # The leaves that run together: same place, same stage, master or not.
+    derived["group"] = (derived["runs_on"], self.stage, self.master_dtype is not None)
+    for name, value in derived.items():
+      object.__setattr__(self, name, value)
+
+
+@jax.tree_util.register_static
+@dataclasses.dataclass(frozen=True, eq=False)
+class Plan:
+  """The plan of every leaf, in the order of the params' leaves. Static: part of the tree structure.
+
+  Attributes:
+    leaves: one :class:`LeafPlan` per parameter leaf.
+    kernel: the ``kernel=`` name asked for (chosen per platform at lowering:
+      :func:`optax_hybrid.kernels.kernels_for`).
+    split: how a custom kernel runs over the device-computed leaves:
+      ``"direct"`` (one device), ``"shard_map"`` (every such leaf's state has
+      a multi-device ``NamedSharding`` on ``mesh``: the kernel runs per shard)
+      or ``"xla"`` (placement unknown or mixed: the XLA rule, which GSPMD
+      partitions itself).
+    mesh: the mesh for ``"shard_map"``, else None.
+  """
+
+  leaves: tuple[LeafPlan, ...]
+  kernel: str = "auto"
+  split: str = "direct"
+  mesh: Any = None
+
+  def __post_init__(self):
+    # A jitted step hashes its arguments' tree structure on every call, and
+    # the plan is part of it: hash once.
+    object.__setattr__(self, "_hash", hash((self.leaves, self.kernel, self.split, self.mesh)))
+
+  def __hash__(self) -> int:
+    return self._hash
+
+  def __eq__(self, other: Any) -> bool:
+    if self is other:
+      return True
+    return (isinstance(other, Plan) and self._hash == other._hash and self.leaves == other.leaves
+            and (self.kernel, self.split, self.mesh) == (other.kernel, other.split, other.mesh))
+
+  @property
+  def tiers(self) -> tuple[str, ...]:
+    """Each leaf's tier."""
+    return tuple(leaf.tier for leaf in self.leaves)
+
+  def on_host(self) -> list[bool]:
+    """Per leaf: is the update computed on the host?"""
+    return [leaf.runs_on == "host" for leaf in self.leaves]
+
+
+def make_plan(params: Any, options: Options) -> Plan:
+  """Decides, once, everything about each leaf (see :class:`LeafPlan`).
+
+  ``params`` may be arrays, ``jax.ShapeDtypeStruct`` s or tracers
+  (``jax.eval_shape(tx.init, params)``); a plan made from any of them for the
+  same single-device params is the same plan.
+
+  Raises:
+    TypeError: for integer or boolean params, or a mask that is not bools.
+    ValueError: for a memory kind the params' devices lack, moment dtypes that
+      cannot hold a complex param, a mask that does not fit the params, the
+      disk tier for multi-device params, or a ZeRO-1 axis the params' mesh
+      lacks.
+  """
+  check_inexact_leaves(params, "params")
+  o = options
+  tiers, kinds = tiers_lib.resolve(params, tiers=o.tiers, state_memory_kind=o.state_memory_kind,
+                                   offload_fraction=o.offload_fraction,
+                                   nvme_offload_fraction=o.nvme_offload_fraction)
+  with_paths = jax.tree_util.tree_leaves_with_path(params)
+  treedef = jax.tree.structure(params)
+  decays = ([False] * len(with_paths) if o.decay_is_static_zero else mask_leaves(o.mask, params, treedef))
+  leaves = []
+  for (key_path, p), tier, kind, decay in zip(with_paths, tiers, kinds, decays):
+    if tier == tiers_lib.DISK_TIER and len(placement.devices_of(p)) > 1:
+      raise ValueError(
+          "hybrid_adamw: the 'disk' tier needs single-device params (its ordered file callbacks "
+          "cannot run in a multi-device computation); keep sharded params in 'host' or 'host_state'.")
+    mu_dtype, nu_dtype = moment_dtypes(p.dtype, o.mu_dtype, o.nu_dtype, key_path)
+    zero1 = None
+    if o.shard_state_over is not None and tier != tiers_lib.DISK_TIER:
+      zero1 = tiers_lib.zero1_sharding(p, o.shard_state_over)
+    leaves.append(LeafPlan(
+        path=jax.tree_util.keystr(key_path) or "<root>", tier=tier, param_kind=placement.param_memory_kind(p),
+        state_kind=kind, mu_dtype=np.dtype(mu_dtype), nu_dtype=np.dtype(nu_dtype),
+        master_dtype=np.dtype(o.master_dtype) if tiers_lib.master_needed(p.dtype, o.master_dtype) else None,
+        decay=decay, state_sharding=tiers_lib.device_sharding_of(p, zero1),
+        gather_to=None if zero1 is None else p.sharding))
+  leaves = assign_stages(leaves, [np.shape(p) for _, p in with_paths])
+  split, mesh = _split([leaf.state_sharding for leaf in leaves if leaf.runs_on == "device"])
+  return Plan(tuple(leaves), kernel=o.kernel, split=split, mesh=mesh)
+
+
+def state_bytes(leaf: LeafPlan, shape: Sequence[int]) -> int:
+  """Bytes of a leaf's state that a step moves: both moments, and the master if any."""
+  n = int(np.prod(shape))
+  master = 0 if leaf.master_dtype is None else np.dtype(leaf.master_dtype).itemsize
+  return n * (np.dtype(leaf.mu_dtype).itemsize + np.dtype(leaf.nu_dtype).itemsize + master)
+
+
+def assign_stages(leaves: Sequence[LeafPlan], shapes: Sequence[Sequence[int]],
+                  budget: int = STREAM_STAGE_BYTES) -> list[LeafPlan]:
+  """Numbers the streamed leaves' stages: consecutive leaves (per place) up to ``budget`` state bytes each."""
+  out, filled, stage = list(leaves), {}, {}
+  for i, (leaf, shape) in enumerate(zip(leaves, shapes)):
+    if not leaf.streamed:
+      continue
+    size, where = state_bytes(leaf, shape), leaf.runs_on
+    if where not in stage:
+      stage[where], filled[where] = 0, 0
+    elif filled[where] and filled[where] + size > budget:
+      stage[where], filled[where] = stage[where] + 1, 0
+    filled[where] += size
+    out[i] = dataclasses.replace(leaf, stage=stage[where])
+  return out
+
+
+def _split(shardings: Sequence[Any]) -> tuple[str, Any]:
+  """How a single-device custom kernel runs over leaves with these state shardings (see :class:`Plan`)."""
+  if jax.device_count() == 1:
+    return "direct", None
+  if not shardings or any(s is None for s in shardings):
+    return "xla", None
+  meshes = {s.mesh for s in shardings}
+  return ("shard_map", meshes.pop()) if len(meshes) == 1 else ("xla", None)
+
+
+def check_inexact_leaves(tree: Any, what: str) -> None:
+  """Raises a TypeError naming the first integer or boolean leaf of ``tree``."""
+  for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+    dtype = jnp.result_type(leaf) if not hasattr(leaf, "dtype") else leaf.dtype
+    if not is_inexact(dtype):
+      raise TypeError(
+          f"hybrid_adamw: {what} leaf {jax.tree_util.keystr(path) or '<root>'} has "
+          f"dtype {dtype}; only floating-point and complex leaves can be "
+          "optimized. Keep integer and boolean leaves out of the optimized tree "
+          "(for example with optax.masked or nnx.Optimizer(..., wrt=nnx.Param))."
+      )
+
+
+def moment_dtypes(param_dtype, mu_dtype, nu_dtype, path) -> tuple:
+  """Storage dtypes of one leaf's moments. The second moment of a complex leaf is real."""
+  complex_param = jnp.issubdtype(param_dtype, jnp.complexfloating)
+  mu = param_dtype if mu_dtype is None else mu_dtype
+  nu = (jnp.finfo(param_dtype).dtype if complex_param else param_dtype) if nu_dtype is None else nu_dtype
+  if complex_param and not jnp.issubdtype(mu, jnp.complexfloating):
+    raise ValueError(
+        f"hybrid_adamw: `mu_dtype`={jnp.dtype(mu)} cannot hold the first moment of the "
+        f"complex param {jax.tree_util.keystr(path)}; use a complex mu_dtype or None."
+    )
+  if jnp.issubdtype(nu, jnp.complexfloating):
+    raise ValueError(
+        f"hybrid_adamw: `nu_dtype`={jnp.dtype(nu)} must be real: the second moment "
+        "accumulates |g|^2."
+    )
+  return mu, nu
+
+
+def mask_leaves(mask: Any, params: Any, treedef: Any) -> list[bool]:
+  """One bool per params leaf: does the leaf take weight decay?"""
+  if mask is None:
+    return [True] * treedef.num_leaves
+  if callable(mask):
+    mask = mask(params)
+  try:
+    # A mask may be a prefix of the params tree: one bool for a whole subtree.
+    leaves = treedef.flatten_up_to(
+        jax.tree.map(
+            lambda m, sub: jax.tree.map(lambda _: m, sub),
+            mask,
+            treedef.unflatten([0] * treedef.num_leaves),
+        )
+    )
+  except (ValueError, TypeError) as e:
+    raise ValueError(
+        "hybrid_adamw: `mask` must have the tree structure of the params (or "
+        f"be a prefix of it) with bool leaves; params: {treedef}, mask: "
+        f"{jax.tree.structure(mask)}."
+    ) from e
+  out = []
+  for leaf in leaves:
+    if isinstance(leaf, jax.Array):  # traced, or computed from the values init saw
+      raise TypeError(
+          "hybrid_adamw: `mask` leaves must be concrete bools, not arrays computed "
+          "from the params; compute the mask from the params' structure, not their "
+          "values (it is resolved once, by init)."
+      )
+    if np.ndim(leaf) != 0 or np.asarray(leaf).dtype != np.bool_:
+      raise TypeError(
+          f"hybrid_adamw: `mask` leaves must be bools, got {leaf!r}."
+      )
+    out.append(bool(leaf))
+  return out
