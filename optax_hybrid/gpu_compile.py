@@ -57,6 +57,7 @@ __all__ = [
     "HloSummary",
     "TARGETS",
     "compile_for_gpu",
+    "compile_lowered",
     "count_hlo",
     "load_target",
     "target_device_memory_bytes",
@@ -494,9 +495,30 @@ def compile_for_gpu(fn: Callable, *args: Any, target: str = "h100", num_devices:
     raise ValueError(f"Compiling for {num_devices} GPUs traces on {num_devices} devices of the running backend, "
                      f"which has {len(jax.devices())}: set XLA_FLAGS=--xla_force_host_platform_device_count="
                      f"{num_devices} before JAX starts.")
-  target_text = load_target(target)
-  devices = _topology_devices(target_text, num_devices)
+  _topology_devices(load_target(target), num_devices)  # fail early: bad target, no plugin
   lowered = _jitted(fn, donate_argnums, jit_kwargs).trace(*args).lower(lowering_platforms=("cuda",))
+  return compile_lowered(lowered, target=target, num_devices=num_devices)
+
+
+def compile_lowered(lowered: Any, target: str = "h100", num_devices: int = 1) -> GpuCompileReport:
+  """Compiles an already lowered function for a GPU target (see :func:`compile_for_gpu`).
+
+  Lower once and compile for several targets:
+  ``lowered = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))``.
+
+  Args:
+    lowered: a ``jax.stages.Lowered`` lowered for ``"cuda"``.
+    target: ``"h100"``, ``"h200"`` or a ``GpuTargetConfig`` text proto file.
+    num_devices: GPUs in the topology; the function must have been traced on
+      as many devices.
+
+  Returns:
+    A :class:`GpuCompileReport`.
+
+  Raises:
+    As :func:`compile_for_gpu`.
+  """
+  devices = _topology_devices(load_target(target), num_devices)
   module = lowered.compiler_ir("stablehlo")
   options = _compat.xla_compile_options(num_devices, devices)
   log: list = []
