@@ -166,8 +166,10 @@ def xla_compile_options(num_partitions: int, devices: Sequence[Any]) -> Any:
     An ``xla_client.CompileOptions`` as ``jax.jit`` would build it.
   """
   from jax._src import compiler  # private in JAX 0.10 and 0.11
+  # One row per replica, one column per partition.
+  assignment = np.array(list(devices), dtype=object).reshape(1, num_partitions)
   return compiler.get_compile_options(
-      num_replicas=1, num_partitions=num_partitions, device_assignment=list(devices))
+      num_replicas=1, num_partitions=num_partitions, device_assignment=assignment)
 
 
 def xla_device_list(devices: Sequence[Any]) -> Any:

@@ -20,8 +20,9 @@ rest run in a new subprocess. Every combination asserts:
   ``max(largest leaf's state, tiers.STREAM_STAGE_BYTES)`` (64 MiB when the
   library names none). The test tree's state is 4-6 stages, so staging it
   whole fails;
-* ``disk``: as ``host_state`` for the master (in host memory), the moments
-  pass through ``io_callback`` host calls;
+* ``disk``: cannot be compiled this way (its ``io_callback`` s lower only for
+  the backend that traced them: see ``DISK_LOWERING_ERROR``); the test holds
+  that real and abstract inputs both get that far;
 * real and abstract inputs (``jax.ShapeDtypeStruct`` s, ``jax.eval_shape(tx.init, ...)``)
   compile to the same memory figures.
 
@@ -133,15 +134,27 @@ def check_tier_promise(combo: dict, report: dict, figures: dict) -> None:
     assert report["host_calls"] >= 1, f"the disk tier's moments move through host callbacks: {why}"
 
 
+# What stops the disk tier: its step reads and writes the moments with
+# ``io_callback``, and JAX lowers a host callback only for the backend it traced
+# on (the callback is registered with that backend's client). A CPU-traced
+# program cannot be lowered for CUDA with one, so this method cannot check the
+# disk tier; a GPU run (benchmarks/gpu_check.py) can.
+DISK_LOWERING_ERROR = "is different from the lowering platform cuda"
+
+
 @pytest.mark.parametrize("tier,devices,index", CASES, ids=IDS)
 def test_step_compiles_for_gpu_and_keeps_its_tier_promise(tier, devices, index):
   result = compile_tier(tier, devices)[index]
+  if tier == "disk":
+    # Real and abstract inputs alike must reach the CUDA lowering of the callbacks.
+    assert not result["ok"] and DISK_LOWERING_ERROR in result["error"], result.get("error")
+    return
   assert result["ok"], result.get("error")
   for target, report in result["reports"].items():
     check_tier_promise(result["combo"], report, result["figures"])
 
 
-ABSTRACT_PAIRS = [(t, i) for t in TIERS for i, c in enumerate(script.combinations(t, 1)) if c["inputs"] == "real"]
+ABSTRACT_PAIRS = [(t, i) for t in TIERS if t != "disk" for i, c in enumerate(script.combinations(t, 1)) if c["inputs"] == "real"]
 
 
 @pytest.mark.parametrize("tier,index", ABSTRACT_PAIRS,
