@@ -62,9 +62,9 @@ def combinations(tier: str, devices: int) -> list[dict]:
   callback cannot be lowered for CUDA from a CPU-traced program (see
   docs/gpu_compile.md), so every disk combination stops at the same point.
   """
-  if devices > 1:
+  if devices > 1:  # ZeRO-1 over the 8 GPUs for the host tiers
     return [dict(tier=tier, kernel="xla", path=path, dtype="bf16", inputs=inputs, targets=["h100"], devices=devices)
-            for path, inputs in itertools.product(("step", "update"), ("real", "abstract"))]
+            for path, inputs in itertools.product(("step", "update"), ("real", "abstract", "abstract_init"))]
   out = []
   for kernel, path, dtype, inputs in itertools.product(("xla", "pallas"), ("step", "update"), ("f32", "bf16"),
                                                        ("real", "abstract")):
@@ -138,7 +138,9 @@ def run(combo: dict, disk_dir: str) -> dict:
     else:  # what jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) of the real ones gives
       params = make_params(dtype, combo["devices"], 0.5, real=False)
       grads = make_params(dtype, combo["devices"], 1e-3, real=False)
-      state = jax.eval_shape(tx.init, params)
+      # "abstract_init": tx.init called on the ShapeDtypeStructs themselves
+      # (the README's other way), which sees their shardings.
+      state = tx.init(params) if combo["inputs"] == "abstract_init" else jax.eval_shape(tx.init, params)
     figures = leaf_figures(combo, params, state.plan.tiers)
     if combo["path"] == "step":
       fn = jax.jit(tx.step, donate_argnums=(0, 1))
