@@ -147,3 +147,32 @@ def match_type_to_sharding(x: Any) -> Any:
   if wants_host != (memory_space_of(x) == HOST):
     return jax.device_put(x, x.sharding, may_alias=False)
   return x
+
+
+# --- Deviceless GPU compilation (optax_hybrid.gpu_compile) --------------------
+# Everything below is used only by ``optax_hybrid.gpu_compile``. The compile-only
+# client of a deviceless topology takes an XLA ``CompileOptions`` and a
+# ``DeviceList``, which JAX 0.10 and 0.11 build only through private modules.
+
+
+def xla_compile_options(num_partitions: int, devices: Sequence[Any]) -> Any:
+  """XLA compile options for one replica partitioned over ``devices`` (SPMD).
+
+  Args:
+    num_partitions: the number of SPMD partitions (``len(devices)``).
+    devices: the topology's devices, in device-assignment order.
+
+  Returns:
+    An ``xla_client.CompileOptions`` as ``jax.jit`` would build it.
+  """
+  from jax._src import compiler  # private in JAX 0.10 and 0.11
+  # One row per replica, one column per partition.
+  assignment = np.array(list(devices), dtype=object).reshape(1, num_partitions)
+  return compiler.get_compile_options(
+      num_replicas=1, num_partitions=num_partitions, device_assignment=assignment)
+
+
+def xla_device_list(devices: Sequence[Any]) -> Any:
+  """An ``xla_client.DeviceList`` of ``devices`` (the executable's devices)."""
+  from jax._src.lib import xla_client  # private in JAX 0.10 and 0.11
+  return xla_client.DeviceList(tuple(devices))

@@ -1,0 +1,363 @@
+"""The largest char-GPT whose whole training step fits on one H200, per tier: compile-time figures.
+
+    JAX_PLATFORMS=cpu PYTHONPATH=. python benchmarks/gpu_memory.py [--width 4096] [--target h200]
+    JAX_PLATFORMS=cpu PYTHONPATH=. python benchmarks/gpu_memory.py --step-table [--scale 1.0]
+    JAX_PLATFORMS=cpu PYTHONPATH=. python benchmarks/gpu_memory.py --quick
+
+Needs the ``gpu-compile`` extra; no GPU. Everything is compiled with
+``optax_hybrid.gpu_compile`` for a deviceless GPU target from abstract inputs
+(``jax.eval_shape``: the big model is never allocated).
+
+Default mode: the char-GPT of ``examples/char_gpt.py`` (token and position
+embeddings, pre-LayerNorm blocks of causal attention and a 4x GELU MLP, tied
+output layer), written functionally with the blocks' params stacked on a
+leading layer axis and run by ``jax.lax.scan`` (rematerialized per layer), so
+compile time does not grow with depth. A full train step (forward, backward,
+optimizer; params and state donated) is compiled per setup: ``hybrid_adamw``
+with bf16 params and an fp32 master and fp32 moments in each tier (``tx.step``),
+and ``optax.adamw`` with fp32 params (the usual baseline) and with bf16 params
+and fp32 ``mu``. For each, the depth is bisected for the largest model whose
+``device_peak_bytes`` fits the target's device memory; prints a markdown table.
+
+``--step-table``: the optimizer step alone on the GPT-2-small tree
+(``benchmarks/step.py``), per tier: kernels, transfers, host calls and the
+bytes its kernels read and write per parameter (the floor for an fp32 AdamW
+step is 28 B: read p, g, m, v, write p, m, v), next to ``optax.adamw``.
+
+Each setup compiles in its own subprocess: an XLA abort fails that setup only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import optax  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.join(HERE, os.pardir))
+import optax_hybrid  # noqa: E402
+from optax_hybrid import gpu_compile  # noqa: E402
+
+GB = 1e9
+F32 = dict(mu_dtype=jnp.float32, nu_dtype=jnp.float32, master_dtype=jnp.float32)
+
+# name -> (param dtype, optimizer factory)
+SETUPS = {
+    "optax.adamw fp32": (jnp.float32, lambda: optax.adamw(1e-4, weight_decay=0.1)),
+    "optax.adamw bf16 + fp32 mu": (jnp.bfloat16, lambda: optax.adamw(1e-4, weight_decay=0.1, mu_dtype=jnp.float32)),
+    "device": (jnp.bfloat16, lambda kernel="xla": optax_hybrid.hybrid_adamw(1e-4, weight_decay=0.1, tiers="device",
+                                                                            kernel=kernel, **F32)),
+    "host_state": (jnp.bfloat16, lambda kernel="xla": optax_hybrid.hybrid_adamw(
+        1e-4, weight_decay=0.1, tiers="host_state", kernel=kernel, **F32)),
+    "host": (jnp.bfloat16, lambda kernel="xla": optax_hybrid.hybrid_adamw(1e-4, weight_decay=0.1, tiers="host",
+                                                                          kernel=kernel, **F32)),
+}
+STEP_SETUPS = {
+    "optax.adamw fp32": (jnp.float32, lambda: optax.adamw(1e-4, weight_decay=0.1)),
+    "device fp32 xla": (jnp.float32, lambda: optax_hybrid.hybrid_adamw(1e-4, weight_decay=0.1, kernel="xla")),
+    "device fp32 pallas": (jnp.float32, lambda: optax_hybrid.hybrid_adamw(1e-4, weight_decay=0.1, kernel="pallas")),
+    "optax.adamw bf16 + fp32 mu": SETUPS["optax.adamw bf16 + fp32 mu"],
+    "device bf16 xla": (jnp.bfloat16, SETUPS["device"][1]),
+    "device bf16 pallas": (jnp.bfloat16, lambda: SETUPS["device"][1]("pallas")),
+    "host_state bf16": (jnp.bfloat16, SETUPS["host_state"][1]),
+    "host bf16": (jnp.bfloat16, SETUPS["host"][1]),
+    "offload_fraction=0.5 bf16": (jnp.bfloat16, lambda: optax_hybrid.hybrid_adamw(
+        1e-4, weight_decay=0.1, offload_fraction=0.5, kernel="xla", **F32)),
+}
+
+
+# --- the model ------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+  layers: int
+  width: int
+  heads: int
+  vocab: int = 128
+  seq_len: int = 1024
+  batch: int = 4
+
+
+def init_params(cfg: Config, dtype, key):
+  """char_gpt's CharGPT params, the blocks stacked on a leading layer axis."""
+  d, L = cfg.width, cfg.layers
+  k = iter(jax.random.split(key, 8))
+  normal = lambda shape, std: (std * jax.random.normal(next(k), shape)).astype(dtype)
+  zeros = lambda shape: jnp.zeros(shape, dtype)
+  ones = lambda shape: jnp.ones(shape, dtype)
+  return {
+      "embed": {"embedding": normal((cfg.vocab, d), d ** -0.5)},
+      "pos_embedding": normal((cfg.seq_len, d), 0.02),
+      "blocks": {
+          "ln1": {"scale": ones((L, d)), "bias": zeros((L, d))},
+          "qkv": {"kernel": normal((L, d, 3 * d), d ** -0.5), "bias": zeros((L, 3 * d))},
+          "out": {"kernel": normal((L, d, d), d ** -0.5), "bias": zeros((L, d))},
+          "ln2": {"scale": ones((L, d)), "bias": zeros((L, d))},
+          "fc": {"kernel": normal((L, d, 4 * d), d ** -0.5), "bias": zeros((L, 4 * d))},
+          "proj": {"kernel": normal((L, 4 * d, d), (4 * d) ** -0.5), "bias": zeros((L, d))},
+      },
+      "ln_f": {"scale": ones((d,)), "bias": zeros((d,))},
+  }
+
+
+def layer_norm(x, p):
+  x32 = x.astype(jnp.float32)
+  mean = x32.mean(-1, keepdims=True)
+  var = ((x32 - mean) ** 2).mean(-1, keepdims=True)
+  return ((x32 - mean) * jax.lax.rsqrt(var + 1e-6) * p["scale"] + p["bias"]).astype(x.dtype)
+
+
+def block(x, p, heads: int):
+  b, t, d = x.shape
+  h = layer_norm(x, p["ln1"])
+  qkv = (h @ p["qkv"]["kernel"] + p["qkv"]["bias"]).reshape(b, t, 3, heads, d // heads)
+  q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+  scores = jnp.einsum("bqhc,bkhc->bhqk", q, k).astype(jnp.float32) / math.sqrt(d // heads)
+  scores = jnp.where(jnp.tril(jnp.ones((t, t), bool)), scores, jnp.finfo(jnp.float32).min)
+  weights = jax.nn.softmax(scores, axis=-1).astype(x.dtype)
+  x = x + jnp.einsum("bhqk,bkhc->bqhc", weights, v).reshape(b, t, d) @ p["out"]["kernel"] + p["out"]["bias"]
+  h = layer_norm(x, p["ln2"])
+  return x + jax.nn.gelu(h @ p["fc"]["kernel"] + p["fc"]["bias"]) @ p["proj"]["kernel"] + p["proj"]["bias"]
+
+
+def loss_fn(params, x, y, heads: int):
+  h = params["embed"]["embedding"][x] + params["pos_embedding"][: x.shape[1]]
+  body = jax.checkpoint(lambda h, p: (block(h, p, heads), None))
+  h, _ = jax.lax.scan(body, h, params["blocks"])
+  logits = (layer_norm(h, params["ln_f"]) @ params["embed"]["embedding"].T).astype(jnp.float32)
+  return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+
+def num_params(tree) -> int:
+  return sum(math.prod(x.shape) for x in jax.tree.leaves(tree))
+
+
+def placed(tree):
+  """ShapeDtypeStructs committed to the first device (as a real, placed model's would be)."""
+  sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), tree)
+
+
+def abstract_state(tx, params):
+  """The optimizer state of abstract params: hybrid_adamw's init takes them directly (keeping memory kinds)."""
+  if isinstance(tx, optax_hybrid.HybridAdamW):
+    return tx.init(params)
+  return placed(jax.eval_shape(tx.init, params))
+
+
+def compile_train_step(setup: str, cfg: Config, target: str) -> dict:
+  dtype, make_tx = SETUPS[setup]
+  tx = make_tx()
+  params = placed(jax.eval_shape(lambda: init_params(cfg, dtype, jax.random.key(0))))
+  state = abstract_state(tx, params)
+  tokens = jax.ShapeDtypeStruct((cfg.batch, cfg.seq_len), jnp.int32, sharding=params["pos_embedding"].sharding)
+  hybrid = isinstance(tx, optax_hybrid.HybridAdamW)
+
+  def train_step(params, state, x, y):
+    loss, grads = jax.value_and_grad(loss_fn)(params, x, y, cfg.heads)
+    if hybrid:
+      params, state = tx.step(params, state, grads)
+    else:
+      updates, state = tx.update(grads, state, params)
+      params = optax.apply_updates(params, updates)
+    return params, state, loss
+
+  report = gpu_compile.compile_for_gpu(train_step, params, state, tokens, tokens, target=target,
+                                       donate_argnums=(0, 1))
+  return dict(params=num_params(params), device=report.device_peak_bytes, host=report.host_peak_bytes,
+              device_temp=report.device_temp_bytes, host_temp=report.host_temp_bytes,
+              warnings=len(report.warnings))
+
+
+# --- subprocess per setup ---------------------------------------------------------------------
+
+def in_subprocess(args: list[str], timeout: float = 1800) -> dict:
+  proc = subprocess.run([sys.executable, os.path.abspath(__file__), *args], capture_output=True, text=True,
+                        timeout=timeout, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+  lines = [l for l in proc.stdout.splitlines() if l.startswith("{")]
+  if proc.returncode != 0 or not lines:
+    crash = [l for l in proc.stderr.splitlines() if "Check failed" in l or "Error" in l]
+    return dict(error=f"rc {proc.returncode}: " + (" | ".join(crash[-2:]) or proc.stderr[-500:]))
+  return json.loads(lines[-1])
+
+
+def largest_fitting(setup: str, width: int, heads: int, target: str, max_layers: int, cfg_kw: dict) -> dict:
+  """The largest depth whose step fits the target (``device_peak_bytes``); one compile per probe."""
+  limit = gpu_compile.target_device_memory_bytes(target)
+  probes = {}
+
+  def fits(layers: int) -> bool:
+    cfg = Config(layers=layers, width=width, heads=heads, **cfg_kw)
+    try:
+      probes[layers] = r = compile_train_step(setup, cfg, target)
+    except Exception as e:  # a compile error: report it, count it as not fitting
+      probes[layers] = dict(error=f"{type(e).__name__}: {str(e).splitlines()[0][:300]}")
+      return False
+    return r["device"] <= limit
+
+  # The step's device memory grows linearly with depth (scanned layers): two
+  # probes estimate the answer, then a bisection brackets it from there.
+  if not fits(1):
+    lo, hi = 0, 1
+  elif max_layers == 1 or not fits(2):
+    lo, hi = 1, 2
+  else:
+    slope = max(1, probes[2]["device"] - probes[1]["device"])
+    guess = min(max_layers, max(2, 1 + (limit - probes[1]["device"]) // slope))
+    lo, hi = (guess, guess + 1) if fits(guess) else (2, guess)
+    step = max(1, guess // 64)
+    while lo == hi - 1 and hi <= max_layers and fits(hi):  # the guess was low: widen upwards
+      lo, hi = hi, min(max_layers + 1, hi + step)
+      step *= 2
+  hi = min(hi, max_layers + 1)
+  while hi - lo > 1:
+    mid = (lo + hi) // 2
+    if fits(mid):
+      lo = mid
+    else:
+      hi = mid
+  errors = [p["error"] for p in probes.values() if "error" in p]
+  best = probes.get(lo) if lo else None
+  return dict(setup=setup, layers=lo, best=best, probes=len(probes), error=errors[0] if errors else None,
+              limit=limit)
+
+
+def step_figures(setup: str, scale: float, target: str, inputs: str) -> dict:
+  from step import gpt2_small_shapes
+  dtype, make_tx = STEP_SETUPS[setup]
+  tx = make_tx()
+  shapes = gpt2_small_shapes(scale)
+  device = jax.devices()[0]
+  if inputs == "real":
+    params = jax.device_put({k: jnp.full(s, 0.5, dtype) for k, s in shapes.items()}, device)
+    grads = jax.device_put({k: jnp.full(s, 1e-3, dtype) for k, s in shapes.items()}, device)
+    state = tx.init(params)
+  else:
+    params = placed({k: jax.ShapeDtypeStruct(s, dtype) for k, s in shapes.items()})
+    grads = placed({k: jax.ShapeDtypeStruct(s, dtype) for k, s in shapes.items()})
+    state = abstract_state(tx, params)
+  if isinstance(tx, optax_hybrid.HybridAdamW):
+    fn = tx.step
+  else:
+    fn = lambda p, s, g: (lambda u, s: (optax.apply_updates(p, u), s))(*tx.update(g, s, p))
+  report = gpu_compile.compile_for_gpu(fn, params, state, grads, target=target, donate_argnums=(0, 1))
+  n = num_params(params)
+  return dict(setup=setup, params=n, kernels=report.kernels, triton=report.triton_launches,
+              transfers=report.transfers, host_calls=report.host_calls, bytes_per_param=report.kernel_bytes / n,
+              device_per_param=report.device_peak_bytes / n, host_per_param=report.host_peak_bytes / n,
+              device_temp_per_param=report.device_temp_bytes / n, host_temp_per_param=report.host_temp_bytes / n,
+              warnings=len(report.warnings))
+
+
+# --- tables ----------------------------------------------------------------------------
+
+def memory_table(args) -> list[dict]:
+  heads = args.heads or max(1, args.width // 128)
+  cfg_kw = dict(seq_len=args.seq_len, batch=args.batch)
+  rows = []
+  for setup in args.setups.split(","):
+    t = time.perf_counter()
+    row = in_subprocess(["--one-setup", setup, "--width", str(args.width), "--heads", str(heads),
+                         "--target", args.target, "--max-layers", str(args.max_layers),
+                         "--seq-len", str(args.seq_len), "--batch", str(args.batch)])
+    row.setdefault("setup", setup)
+    row["seconds"] = time.perf_counter() - t
+    rows.append(row)
+    print(f"  {setup}: {json.dumps(row)[:400]}", file=sys.stderr, flush=True)
+  base = next((r for r in rows if r["setup"] == "optax.adamw fp32" and r.get("best")), None)
+  print(f"\nLargest char-GPT (width {args.width}, {heads} heads, batch {args.batch} x {args.seq_len} tokens, "
+        f"layers bisected up to {args.max_layers}) whose compiled train step fits one {args.target.upper()} "
+        f"({gpu_compile.target_device_memory_bytes(args.target) / GB:.1f} GB); compile-time figures, "
+        f"jax {jax.__version__}:\n")
+  print("| setup | layers | largest params | device GB | host GB | x optax.adamw | note |")
+  print("|---|---:|---:|---:|---:|---:|---|")
+  for r in rows:
+    best = r.get("best")
+    if not best:
+      print(f"| {r['setup']} | 0 | - | - | - | - | {r.get('error') or 'nothing fits'} |")
+      continue
+    ratio = f"{best['params'] / base['best']['params']:.2f}" if base else "-"
+    note = (r.get("error") or "")[:120]
+    if r["layers"] >= args.max_layers:
+      note = f"fits at the cap (--max-layers {args.max_layers}) " + note
+    if best.get("warnings"):
+      note = f"{best['warnings']} host-offloader fallback warnings " + note
+    print(f"| {r['setup']} | {r['layers']} | {best['params'] / 1e9:.2f} B | {best['device'] / GB:.1f} | "
+          f"{best['host'] / GB:.1f} | {ratio} | {note.strip()} |")
+  return rows
+
+
+def step_table(args) -> list[dict]:
+  rows = []
+  for setup in args.step_setups.split(","):
+    row = in_subprocess(["--one-step", setup, "--scale", str(args.scale), "--target", args.target,
+                         "--inputs", args.inputs])
+    row.setdefault("setup", setup)
+    rows.append(row)
+  n = next((r["params"] for r in rows if "params" in r), 0)
+  print(f"\nThe optimizer step alone, GPT-2-small shapes x {args.scale} ({n / 1e6:.1f}M params), "
+        f"{args.inputs} inputs, compiled for {args.target.upper()}; compile-time figures, jax {jax.__version__}. "
+        "B/param: bytes the kernels read and write (floor for fp32 AdamW: 28), device and host peak, temps:\n")
+  print("| setup | kernels | Triton | transfers | host calls | kernel B/param | device B/param | host B/param "
+        "| device temp | host temp | fallback warnings |")
+  print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+  for r in rows:
+    if "error" in r:
+      print(f"| {r['setup']} | {r['error'][:200]} |||||||||")
+      continue
+    print(f"| {r['setup']} | {r['kernels']} | {r['triton']} | {r['transfers']} | {r['host_calls']} | "
+          f"{r['bytes_per_param']:.1f} | {r['device_per_param']:.2f} | {r['host_per_param']:.2f} | "
+          f"{r['device_temp_per_param']:.2f} | {r['host_temp_per_param']:.2f} | {r['warnings']} |")
+  return rows
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--target", default="h200", help="h100, h200 or a GpuTargetConfig file (default h200)")
+  parser.add_argument("--width", type=int, default=4096, help="d_model (default 4096)")
+  parser.add_argument("--heads", type=int, default=0, help="attention heads (default width / 128)")
+  parser.add_argument("--seq-len", type=int, default=1024)
+  parser.add_argument("--batch", type=int, default=4)
+  parser.add_argument("--max-layers", type=int, default=512, help="the bisection's cap on depth")
+  parser.add_argument("--setups", default=",".join(SETUPS), help="comma-separated subset of: " + ", ".join(SETUPS))
+  parser.add_argument("--step-table", action="store_true", help="the optimizer step alone, per tier")
+  parser.add_argument("--step-setups", default=",".join(STEP_SETUPS))
+  parser.add_argument("--scale", type=float, default=1.0, help="--step-table: shrink GPT-2-small's leaves")
+  parser.add_argument("--inputs", choices=("real", "abstract"), default="real",
+                      help="--step-table: real arrays (default) or ShapeDtypeStructs")
+  parser.add_argument("--quick", action="store_true", help="a small run of both tables (a test)")
+  parser.add_argument("--one-setup", help=argparse.SUPPRESS)
+  parser.add_argument("--one-step", help=argparse.SUPPRESS)
+  args = parser.parse_args(argv)
+  if args.one_setup:
+    print(json.dumps(largest_fitting(args.one_setup, args.width, args.heads, args.target, args.max_layers,
+                                     dict(seq_len=args.seq_len, batch=args.batch))))
+    return None
+  if args.one_step:
+    print(json.dumps(step_figures(args.one_step, args.scale, args.target, args.inputs)))
+    return None
+  if args.quick:
+    args.width, args.heads, args.seq_len, args.batch, args.max_layers = 256, 2, 128, 2, 2
+    args.setups = "host"
+    args.step_setups = "host bf16"
+    args.scale = 0.01
+    return dict(memory=memory_table(args), step=step_table(args))
+  if args.step_table:
+    return dict(step=step_table(args))
+  return dict(memory=memory_table(args))
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,546 @@
+"""Compile a JAX function for an NVIDIA GPU on a machine without one.
+
+XLA:GPU can compile for a GPU it cannot see, given a ``GpuTargetConfig`` that
+describes the chip. :func:`compile_for_gpu` traces a function on the running
+backend (normally the CPU, which has ``pinned_host`` memory), lowers it for
+CUDA, and compiles it with the compile-only client of a deviceless topology.
+XLA:GPU's own passes then run for real, the host-offload passes included, and
+the compiled executable tells how many bytes the program needs in device
+memory and in host memory, and what it launches.
+
+The result is a :class:`GpuCompileReport`: memory statistics split by memory
+space, counts taken from the optimized HLO (kernels, Triton launches,
+host<->device transfers, host calls, bytes read and written by the kernels),
+the host-offloader fallback warnings XLA printed, and the HLO itself.
+
+Example::
+
+  import jax, jax.numpy as jnp
+  from optax_hybrid import gpu_compile
+
+  x = jax.ShapeDtypeStruct((1024, 1024), jnp.float32)
+  report = gpu_compile.compile_for_gpu(lambda a: jnp.sin(a) * 2, x, target="h100")
+  report.device_peak_bytes  # 8388608: the argument and the result
+  report.kernels            # 1: one fusion
+
+Needs the CUDA PJRT plugin of the installed jaxlib's exact version
+(``pip install "optax-hybrid[gpu-compile]"``, or
+``pip install "jax-cuda12-plugin==<jax version>" "jax-cuda12-pjrt==<jax version>"``);
+no GPU and no driver. Keep ``JAX_PLATFORMS=cpu`` set so that the plugin does not
+become the default backend of the process.
+
+Compile time, not run time: the figures say what XLA planned (buffers, kernels,
+copies), not how fast the program runs or how much bandwidth it reaches.
+An internal XLA check failure aborts the whole process: compile matrices of
+programs in a subprocess.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import importlib.metadata
+import os
+import re
+import sys
+import tempfile
+from typing import Any, Callable, Iterator, Sequence
+
+import jax
+
+from optax_hybrid import _compat
+
+__all__ = [
+    "GpuCompileError",
+    "GpuCompileReport",
+    "HloSummary",
+    "TARGETS",
+    "compile_for_gpu",
+    "compile_lowered",
+    "count_hlo",
+    "load_target",
+    "target_device_memory_bytes",
+]
+
+_TARGET_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu_targets")
+TARGETS = {"h100": "h100.txtpb", "h200": "h200.txtpb"}
+"""Target names :func:`compile_for_gpu` accepts, and their ``GpuTargetConfig`` files."""
+
+# The host offloader's fallback: device arithmetic on a host-memory value that
+# XLA silently turns into (slow) host compute.
+_FALLBACK_PATTERNS = ("does device compute in host memory space", "Converting into host compute")
+
+_PLUGIN_PACKAGES = ("jax-cuda12-plugin", "jax-cuda12-pjrt")
+
+
+class GpuCompileError(RuntimeError):
+  """The CUDA compiler is unavailable (plugin missing or of another version)."""
+
+
+# --- targets -----------------------------------------------------------------
+
+def load_target(target: str) -> str:
+  """The ``GpuTargetConfig`` text proto of a target.
+
+  Args:
+    target: ``"h100"`` (80 GB, 3.35 TB/s), ``"h200"`` (141 GB, 4.8 TB/s), or
+      the path of a ``GpuTargetConfig`` text proto file.
+
+  Returns:
+    The text proto.
+
+  Raises:
+    ValueError: ``target`` is neither a known name nor an existing file.
+  """
+  if target in TARGETS:
+    path = os.path.join(_TARGET_DIR, TARGETS[target])
+  elif os.path.isfile(target):
+    path = target
+  else:
+    raise ValueError(f"`target` must be one of {sorted(TARGETS)} or the path of a GpuTargetConfig "
+                     f"text proto; got {target!r}.")
+  with open(path) as f:
+    return f.read()
+
+
+def target_device_memory_bytes(target: str) -> int:
+  """The device memory of a target in bytes (its ``device_memory_size``).
+
+  Args:
+    target: as for :func:`load_target`.
+
+  Returns:
+    The number of bytes, e.g. 150754820096 for ``"h200"``.
+
+  Raises:
+    ValueError: the target has no ``device_memory_size``.
+  """
+  match = re.search(r"device_memory_size:\s*(\d+)", load_target(target))
+  if match is None:
+    raise ValueError(f"Target {target!r} has no device_memory_size.")
+  return int(match.group(1))
+
+
+def _check_plugin() -> None:
+  """Raises a :class:`GpuCompileError` naming the pip command if the CUDA plugin is unusable."""
+  jax_version = importlib.metadata.version("jaxlib")
+  command = (f'pip install "jax-cuda12-plugin=={jax_version}" "jax-cuda12-pjrt=={jax_version}"'
+             ' (or pip install "optax-hybrid[gpu-compile]")')
+  for package in _PLUGIN_PACKAGES:
+    try:
+      version = importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+      raise GpuCompileError(f"Compiling for a GPU needs {package}, which is not installed: {command}.") from None
+    if version != jax_version:
+      raise GpuCompileError(f"{package} {version} does not match jaxlib {jax_version}: {command}.")
+
+
+@functools.lru_cache(maxsize=None)
+def _topology_devices(target_text: str, num_devices: int) -> tuple:
+  _check_plugin()
+  from jax.experimental import topologies
+  try:
+    topology = topologies.get_topology_desc(platform="cuda", target_config=target_text,
+                                            topology=f"1x1x{num_devices}")
+  except Exception as e:  # the plugin's own error, whatever its type
+    raise GpuCompileError(f"Could not build a deviceless CUDA topology of {num_devices} device(s): {e}") from e
+  return tuple(topology.devices)
+
+
+# --- stderr capture ------------------------------------------------------------
+
+@contextlib.contextmanager
+def _captured_stderr() -> Iterator[list]:
+  """Redirects file descriptor 2 (XLA's C++ log) to a temporary file; yields a list that gets its text.
+
+  The file is created in ``tempfile.gettempdir()`` (``TMPDIR``) with the prefix
+  ``optax_hybrid_gpu_compile_``; if XLA aborts the process the file stays there
+  with the abort message. The captured text is written back to stderr after.
+  """
+  sys.stderr.flush()
+  fd, path = tempfile.mkstemp(prefix="optax_hybrid_gpu_compile_", suffix=".log")
+  saved = os.dup(2)
+  out: list = []
+  try:
+    os.dup2(fd, 2)
+    try:
+      yield out
+    finally:
+      sys.stderr.flush()
+      os.dup2(saved, 2)
+      with open(path, errors="replace") as f:
+        out.append(f.read())
+      if out[0]:
+        sys.stderr.write(out[0])
+  finally:
+    os.close(saved)
+    os.close(fd)
+    os.unlink(path)
+
+
+# --- the optimized HLO ----------------------------------------------------------
+
+_DTYPE_BYTES = {"pred": 1, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "s32": 4, "u32": 4,
+                "s64": 8, "u64": 8, "f16": 2, "bf16": 2, "f32": 4, "f64": 8, "c64": 8, "c128": 16,
+                "f8e4m3fn": 1, "f8e5m2": 1, "f8e4m3": 1, "f8e5m2fnuz": 1, "f8e4m3fnuz": 1, "f8e4m3b11fnuz": 1,
+                "f8e3m4": 1, "f8e8m0fnu": 1, "f4e2m1fn": 0.5, "token": 0}
+_ARRAY = re.compile(r"\b(" + "|".join(sorted(_DTYPE_BYTES, key=len, reverse=True)) + r")\[([\d,]*)\](\{[^}]*\})?")
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s([a-z][a-z0-9\-]*)\((.*)$")
+_COMPUTATION = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
+
+# Ops that launch nothing: bookkeeping, control flow (its bodies are walked),
+# and the asynchronous transfers and host calls (counted apart).
+_NOT_KERNELS = frozenset({
+    "parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all", "add-dependency",
+    "opt-barrier", "partition-id", "replica-id", "iota-free", "domain",
+    "while", "conditional", "call",
+    "copy-start", "copy-done", "call-start", "call-done", "async-start", "async-update", "async-done",
+    "custom-call-update", "custom-call-done",
+    "send", "send-done", "recv", "recv-done",
+})
+_CONTROL_FLOW = frozenset({"while", "conditional", "call"})
+_TRANSFER_OPS = frozenset({"copy", "dynamic-slice", "dynamic-update-slice"})
+# Custom calls that run on the host: XLA's host compute (``HostExecute``) and
+# Python callbacks (``jax.pure_callback``, ``io_callback``).
+_HOST_CALLBACK_TARGETS = ("HostExecute", "callback", "HostCompute")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Instruction:
+  name: str
+  shape: str
+  opcode: str
+  rest: str  # operands and attributes
+
+
+def _array_bytes(text: str) -> int:
+  """Bytes of every array shape in ``text`` (a shape or a tuple of shapes)."""
+  total = 0.0
+  for dtype, dims, _ in _ARRAY.findall(text):
+    n = 1
+    for d in dims.split(","):
+      if d:
+        n *= int(d)
+    total += n * _DTYPE_BYTES[dtype]
+  return int(total)
+
+
+def _in_host_memory(shape: str) -> list[bool]:
+  """Per array in ``shape``: is its layout in host memory space ``S(5)``?"""
+  return ["S(5)" in (layout or "") for _, _, layout in _ARRAY.findall(shape)]
+
+
+def _parse_hlo(text: str) -> tuple[dict[str, list[_Instruction]], str | None]:
+  """Splits HLO module text into computations of instructions; returns them and the entry's name."""
+  computations: dict[str, list[_Instruction]] = {}
+  entry = None
+  current = None
+  for line in text.splitlines():
+    if current is None:
+      m = _COMPUTATION.match(line)
+      if m and not line.startswith("HloModule"):
+        current = m.group(2)
+        computations[current] = []
+        if m.group(1):
+          entry = current
+      continue
+    if line.strip() == "}":
+      current = None
+      continue
+    m = _INSTRUCTION.match(line)
+    if m:
+      computations[current].append(_Instruction(*m.groups()))
+  return computations, entry
+
+
+def _operand_names(rest: str) -> list[str]:
+  depth, end = 1, len(rest)
+  for i, c in enumerate(rest):
+    depth += (c == "(") - (c == ")")
+    if depth == 0:
+      end = i
+      break
+  return re.findall(r"%([\w.\-]+)", rest[:end])
+
+
+def _called(rest: str) -> list[str]:
+  names = []
+  for key in ("calls", "to_apply", "body", "condition", "branch_computations", "true_computation",
+              "false_computation"):
+    for m in re.finditer(key + r"=\{?([^,}\s]+(?:,\s*%[\w.\-]+)*)\}?", rest):
+      names += re.findall(r"%?([\w.\-]+)", m.group(1))
+  return names
+
+
+@dataclasses.dataclass(frozen=True)
+class HloSummary:
+  """What the optimized HLO launches. See :func:`count_hlo` for the rules."""
+
+  kernels: int
+  triton_launches: int
+  transfers: int
+  host_calls: int
+  kernel_bytes: int
+  kernel_ops: dict
+
+
+def count_hlo(text: str) -> HloSummary:
+  """Counts the device kernels, transfers and host calls of an optimized HLO module.
+
+  Rules (static: a kernel inside a ``while`` body counts once, not per trip):
+
+  * The entry computation and the bodies of its control flow (``while``,
+    ``conditional``, ``call``) run on the device. Each of their instructions
+    is a kernel launch unless it is bookkeeping (parameter, constant, tuple,
+    get-tuple-element, bitcast, barrier), control flow, or asynchronous
+    (``copy-start``/``copy-done``, host ``call-start``/``call-done``,
+    send/recv). So fusions, custom calls (cuBLAS, cuDNN, Triton — the Pallas
+    kernels are ``__gpu$xla.gpu.triton`` custom calls), collectives and any
+    unfused op (a ``copy``, a ``sort``) each count one.
+  * ``triton_launches``: custom calls to ``__gpu$xla.gpu.triton`` and fusions
+    that XLA emits with Triton (``"kind":"__triton..."``).
+  * ``transfers``: host<->device copies: every ``copy-start`` (XLA:GPU emits
+    them only between memory spaces), plus synchronous ``copy``,
+    ``dynamic-slice`` and ``dynamic-update-slice`` ops whose operands and result
+    are not all in the same memory space (layout ``S(5)`` is host memory).
+    Synchronous ones are kernels too.
+  * ``host_calls``: computations run on the host CPU: XLA host compute
+    (``custom-call-start`` to ``HostExecute``, or any call whose backend config
+    says ``DEVICE_TYPE_HOST``) and custom calls to Python host callbacks
+    (``jax.pure_callback``, ``io_callback``). Not kernels.
+  * ``kernel_ops`` names a ``copy`` between two host-memory buffers
+    ``"copy (host->host)"``: a copy of host state that a program updating it
+    in place would not make.
+  * ``kernel_bytes``: over the kernels, the bytes of their operands plus their
+    results: a compile-time proxy for the memory traffic. It overcounts
+    in-place updates of part of a buffer and ignores caching.
+
+  Args:
+    text: the optimized HLO module(s) as text (``exe.hlo_modules()``'s
+      ``to_string()``).
+
+  Returns:
+    An :class:`HloSummary`; ``kernel_ops`` maps each kernel opcode (custom
+    calls by target) to its count.
+  """
+  computations, entry = _parse_hlo(text)
+  kernels = triton = transfers = host_calls = kernel_bytes = 0
+  ops: dict[str, int] = {}
+  if entry is None:
+    return HloSummary(0, 0, 0, 0, 0, {})
+  seen = set()
+  todo = [entry]
+  while todo:
+    name = todo.pop()
+    if name in seen or name not in computations:
+      continue
+    seen.add(name)
+    shapes = {ins.name: ins.shape for ins in computations[name]}
+    for ins in computations[name]:
+      host_device = "DEVICE_TYPE_HOST" in ins.rest
+      if ins.opcode in ("call-start", "call") and host_device:
+        host_calls += 1
+        continue
+      if ins.opcode in _CONTROL_FLOW:
+        todo += _called(ins.rest)
+        continue
+      if ins.opcode == "copy-start":
+        transfers += 1
+        continue
+      if ins.opcode in _NOT_KERNELS:
+        continue
+      operands = [shapes.get(o, "") for o in _operand_names(ins.rest)]
+      if ins.opcode in ("custom-call", "custom-call-start"):
+        target = (re.search(r'custom_call_target="([^"]+)"', ins.rest) or [None, "?"])[1]
+        if host_device or any(t in target for t in _HOST_CALLBACK_TARGETS):
+          host_calls += 1
+          continue
+        key = f"custom-call {target}"
+        triton += target == "__gpu$xla.gpu.triton"
+      else:
+        key = ins.opcode
+        triton += ins.opcode == "fusion" and '"kind":"__triton' in ins.rest
+      if ins.opcode in _TRANSFER_OPS:
+        spaces = set(_in_host_memory(ins.shape)) | {s for o in operands for s in _in_host_memory(o)}
+        transfers += len(spaces) > 1
+        if spaces == {True}:
+          key += " (host->host)"
+      kernels += 1
+      ops[key] = ops.get(key, 0) + 1
+      kernel_bytes += _array_bytes(ins.shape) + sum(_array_bytes(o) for o in operands)
+  return HloSummary(kernels, triton, transfers, host_calls, kernel_bytes, dict(sorted(ops.items())))
+
+
+# --- the report ---------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class GpuCompileReport:
+  """What XLA:GPU compiled for a target, from :func:`compile_for_gpu`.
+
+  Attributes:
+    target: the target name or path.
+    num_devices: the number of GPUs compiled for (SPMD partitions).
+    device_argument_bytes, device_output_bytes, device_temp_bytes,
+      device_alias_bytes: ``get_compiled_memory_stats()`` of device memory
+      (per device): arguments, results, scratch, and results that reuse a
+      donated argument's buffer.
+    host_argument_bytes, host_output_bytes, host_temp_bytes, host_alias_bytes:
+      the same for host memory (``pinned_host``).
+    device_peak_bytes: arguments + results + temp - aliased: the device
+      memory the executable needs at once (an upper bound XLA plans for).
+    host_peak_bytes: the same for host memory.
+    kernels, triton_launches, transfers, host_calls, kernel_bytes,
+      kernel_ops: from the optimized HLO, see :func:`count_hlo`.
+    warnings: the host-offloader fallback lines XLA logged ("does device
+      compute in host memory space ... Converting into host compute"): each is
+      a value in host memory computed on slowly by the host.
+    log: everything XLA wrote to stderr during the compile.
+    hlo: the optimized HLO text.
+  """
+
+  target: str
+  num_devices: int
+  device_argument_bytes: int
+  device_output_bytes: int
+  device_temp_bytes: int
+  device_alias_bytes: int
+  host_argument_bytes: int
+  host_output_bytes: int
+  host_temp_bytes: int
+  host_alias_bytes: int
+  kernels: int
+  triton_launches: int
+  transfers: int
+  host_calls: int
+  kernel_bytes: int
+  kernel_ops: dict
+  warnings: tuple[str, ...]
+  log: str = dataclasses.field(repr=False)
+  hlo: str = dataclasses.field(repr=False)
+
+  @property
+  def device_peak_bytes(self) -> int:
+    return (self.device_argument_bytes + self.device_output_bytes + self.device_temp_bytes
+            - self.device_alias_bytes)
+
+  @property
+  def host_peak_bytes(self) -> int:
+    return self.host_argument_bytes + self.host_output_bytes + self.host_temp_bytes - self.host_alias_bytes
+
+  def as_dict(self) -> dict:
+    """The figures as a JSON-friendly dict (no HLO, no log)."""
+    out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in ("hlo", "log")}
+    out["warnings"] = list(self.warnings)
+    out["device_peak_bytes"] = self.device_peak_bytes
+    out["host_peak_bytes"] = self.host_peak_bytes
+    return out
+
+
+def _jitted(fn: Callable, donate_argnums: Sequence[int] | int, jit_kwargs: dict) -> Any:
+  if hasattr(fn, "trace") and hasattr(fn, "lower"):
+    if donate_argnums or jit_kwargs:
+      raise ValueError("`fn` is already jitted: pass `donate_argnums` and jit options to `jax.jit` itself, "
+                       "or pass the plain function.")
+    return fn
+  return jax.jit(fn, donate_argnums=donate_argnums, **jit_kwargs)
+
+
+def compile_for_gpu(fn: Callable, *args: Any, target: str = "h100", num_devices: int = 1,
+                    donate_argnums: Sequence[int] | int = (), **jit_kwargs: Any) -> GpuCompileReport:
+  """Compiles ``fn(*args)`` for a GPU target without a GPU and reports what XLA planned.
+
+  ``fn`` is traced on the running backend with ``args`` (arrays or
+  ``jax.ShapeDtypeStruct`` s, whose shardings may name ``pinned_host``),
+  lowered with ``lowering_platforms=("cuda",)``, and compiled by the
+  compile-only client of a deviceless CUDA topology of ``num_devices`` GPUs.
+  Trace-time decisions that read the running backend (``jax.default_backend()``)
+  see the CPU; decisions made with ``lax.platform_dependent`` follow CUDA.
+
+  Args:
+    fn: the function, plain or already ``jax.jit`` ted (then without
+      ``donate_argnums`` and ``jit_kwargs``).
+    *args: its arguments. For ``num_devices > 1``, shard them over
+      ``num_devices`` devices of the running backend (on a CPU:
+      ``XLA_FLAGS=--xla_force_host_platform_device_count=N``); device ``i`` of
+      the running backend stands for GPU ``i``.
+    target: ``"h100"``, ``"h200"`` or a ``GpuTargetConfig`` text proto file.
+    num_devices: GPUs in the topology (``"1x1xN"``), one SPMD partition each.
+    donate_argnums: as for ``jax.jit``.
+    **jit_kwargs: other ``jax.jit`` options (``in_shardings``, ``static_argnums``...).
+
+  Returns:
+    A :class:`GpuCompileReport`.
+
+  Raises:
+    GpuCompileError: the CUDA plugin is missing or not of jaxlib's version
+      (the message has the pip command), or the topology cannot be built.
+    ValueError: unknown target; fewer running devices than ``num_devices``;
+      a jitted ``fn`` with jit options.
+    jax.errors.JaxRuntimeError: XLA:GPU rejected the program (e.g. ``E1200:
+      CompileTimeHostOffloadOutputLocationMismatch``). An internal XLA check
+      failure aborts the process instead.
+
+  Example::
+
+    tx = optax_hybrid.hybrid_adamw(1e-3, tiers="host")
+    params = {"w": jax.ShapeDtypeStruct((4096, 4096), jnp.float32)}
+    state = jax.eval_shape(tx.init, params)
+    report = compile_for_gpu(tx.step, params, state, params, target="h200", donate_argnums=(0, 1))
+    report.device_peak_bytes, report.host_temp_bytes, report.warnings
+  """
+  if not isinstance(num_devices, int) or num_devices < 1:
+    raise ValueError(f"`num_devices` must be a positive int; got {num_devices!r}.")
+  if num_devices > len(jax.devices()):
+    raise ValueError(f"Compiling for {num_devices} GPUs traces on {num_devices} devices of the running backend, "
+                     f"which has {len(jax.devices())}: set XLA_FLAGS=--xla_force_host_platform_device_count="
+                     f"{num_devices} before JAX starts.")
+  _topology_devices(load_target(target), num_devices)  # fail early: bad target, no plugin
+  lowered = _jitted(fn, donate_argnums, jit_kwargs).trace(*args).lower(lowering_platforms=("cuda",))
+  return compile_lowered(lowered, target=target, num_devices=num_devices)
+
+
+def compile_lowered(lowered: Any, target: str = "h100", num_devices: int = 1) -> GpuCompileReport:
+  """Compiles an already lowered function for a GPU target (see :func:`compile_for_gpu`).
+
+  Lower once and compile for several targets:
+  ``lowered = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))``.
+
+  Args:
+    lowered: a ``jax.stages.Lowered`` lowered for ``"cuda"``.
+    target: ``"h100"``, ``"h200"`` or a ``GpuTargetConfig`` text proto file.
+    num_devices: GPUs in the topology; the function must have been traced on
+      as many devices.
+
+  Returns:
+    A :class:`GpuCompileReport`.
+
+  Raises:
+    As :func:`compile_for_gpu`.
+  """
+  devices = _topology_devices(load_target(target), num_devices)
+  module = lowered.compiler_ir("stablehlo")
+  options = _compat.xla_compile_options(num_devices, devices)
+  log: list = []
+  try:
+    with _captured_stderr() as log:
+      executable = devices[0].client.compile(module, executable_devices=_compat.xla_device_list(devices),
+                                             compile_options=options)
+  except Exception as e:
+    if log and log[0].strip():
+      e.add_note("XLA's log during the compile:\n" + log[0].strip())
+    raise
+  log = log[0] if log else ""
+  stats = executable.get_compiled_memory_stats()
+  hlo = "\n".join(m.to_string() for m in executable.hlo_modules())
+  summary = count_hlo(hlo)
+  warnings = tuple(line for line in log.splitlines() if any(p in line for p in _FALLBACK_PATTERNS))
+  return GpuCompileReport(
+      target=target, num_devices=num_devices,
+      device_argument_bytes=stats.argument_size_in_bytes, device_output_bytes=stats.output_size_in_bytes,
+      device_temp_bytes=stats.temp_size_in_bytes, device_alias_bytes=stats.alias_size_in_bytes,
+      host_argument_bytes=stats.host_argument_size_in_bytes, host_output_bytes=stats.host_output_size_in_bytes,
+      host_temp_bytes=stats.host_temp_size_in_bytes, host_alias_bytes=stats.host_alias_size_in_bytes,
+      kernels=summary.kernels, triton_launches=summary.triton_launches, transfers=summary.transfers,
+      host_calls=summary.host_calls, kernel_bytes=summary.kernel_bytes, kernel_ops=summary.kernel_ops,
+      warnings=warnings, log=log, hlo=hlo)
