@@ -23,7 +23,7 @@ Public API:
   the disk tier.
 """
 
-from optax_hybrid import checkpoint, disk, recipe, report, tiers
+from optax_hybrid import checkpoint, disk, plan, recipe, report, tiers
 from optax_hybrid.placement import (
     STATE_MEMORY_KINDS,
     apply_updates,

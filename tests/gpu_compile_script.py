@@ -33,7 +33,7 @@ from optax_hybrid import gpu_compile  # noqa: E402
 
 MiB = 2**20
 # The host_state tier's staging budget, if the library names one.
-STAGE_BYTES = int(getattr(optax_hybrid.tiers, "STREAM_STAGE_BYTES", 64 * MiB))
+STAGE_BYTES = optax_hybrid.plan.STREAM_STAGE_BYTES
 N_LEAVES = 8
 # Each big leaf holds half a stage of f32 moments (8 B per param), so the
 # whole state is 4 stages (f32 params) or 6 (bf16 params with an f32 master):
@@ -120,6 +120,8 @@ def leaf_figures(combo: dict, params, plan_tiers) -> dict:
     figures["largest_param_bytes"][tier] = max(mine, default=0) * itemsize // devices
   figures["tiers"] = list(plan_tiers)
   figures["grad_bytes"] = figures["param_bytes"]
+  # The update tree of the Optax contract: fp32 (the moments' dtype, or the master's).
+  figures["update_bytes"] = sum(sizes) * 4 // devices
   return figures
 
 
@@ -138,9 +140,14 @@ def run(combo: dict, disk_dir: str) -> dict:
     else:  # what jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) of the real ones gives
       params = make_params(dtype, combo["devices"], 0.5, real=False)
       grads = make_params(dtype, combo["devices"], 1e-3, real=False)
-      # "abstract_init": tx.init called on the ShapeDtypeStructs themselves
-      # (the README's other way), which sees their shardings.
-      state = tx.init(params) if combo["inputs"] == "abstract_init" else jax.eval_shape(tx.init, params)
+      # "abstract_init": tx.init called on the ShapeDtypeStructs themselves;
+      # "abstract": ShapeDtypeStructs of a state, with its shardings (memory
+      # kinds included). (jax.eval_shape(tx.init, ...) drops every sharding in
+      # JAX 0.10, memory kinds with them: its state would be compiled as device
+      # arguments; docs/gpu_compile.md.)
+      state = tx.init(params)
+      if combo["inputs"] == "abstract":
+        state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
     figures = leaf_figures(combo, params, state.plan.tiers)
     if combo["path"] == "step":
       fn = jax.jit(tx.step, donate_argnums=(0, 1))
