@@ -96,7 +96,7 @@ IDS = [combo_id(script.combinations(t, d)[i]) for t, d, i in CASES]
 
 
 def describe(report: dict, figures: dict) -> str:
-  n = figures["num_params"]
+  n = figures["num_params"] / report["num_devices"]  # the stats are per device
   keys = ("device_argument_bytes", "device_output_bytes", "device_temp_bytes", "device_alias_bytes",
           "host_argument_bytes", "host_output_bytes", "host_temp_bytes", "host_alias_bytes")
   per = ", ".join(f"{k.replace('_bytes', '')} {report[k] / n:.2f}" for k in keys)
@@ -112,7 +112,8 @@ def check_tier_promise(combo: dict, report: dict, figures: dict) -> None:
   params, grads = figures["param_bytes"], figures["grad_bytes"]
   assert not report["warnings"], f"host-offloader fallback: {report['warnings'][:2]}; {why}"
   if tier == "device":
-    assert report["device_argument_bytes"] >= params + grads + state["device"], why
+    # (tx.step with a master never reads the bf16 params: jit drops them.)
+    assert report["device_argument_bytes"] >= grads + state["device"], why
     assert report["host_argument_bytes"] + report["host_temp_bytes"] <= SLACK, why
     return
   # Host tiers: the state that lives on the host is not a device argument or result.
