@@ -216,11 +216,12 @@ def largest_fitting(setup: str, width: int, heads: int, target: str, max_layers:
   else:
     slope = max(1, probes[2]["device"] - probes[1]["device"])
     guess = min(max_layers, max(2, 1 + (limit - probes[1]["device"]) // slope))
-    lo, hi = (guess, guess + 1) if fits(guess) else (2, guess)
-    step = max(1, guess // 64)
-    while lo == hi - 1 and hi <= max_layers and fits(hi):  # the guess was low: widen upwards
-      lo, hi = hi, min(max_layers + 1, hi + step)
-      step *= 2
+    if fits(guess):
+      lo, hi, step = guess, guess + 1, max(1, guess // 64)
+      while hi <= max_layers and fits(hi):  # the guess was low: widen upwards until one fails
+        lo, hi, step = hi, min(max_layers + 1, hi + step), step * 2
+    else:
+      lo, hi = 2, guess
   hi = min(hi, max_layers + 1)
   while hi - lo > 1:
     mid = (lo + hi) // 2
