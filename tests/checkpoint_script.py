@@ -3,6 +3,8 @@
 import argparse
 import os
 import signal
+import sys
+import time
 
 import jax
 import jax.numpy as jnp
@@ -59,13 +61,27 @@ def train(args):
   print(f"DONE count={int(state.count)} skipped={int(state.skipped)}")
 
 
+def save_in_progress(directory, step):
+  """Orbax's temporary directory of ``step``'s save, while that save has not finished."""
+  return [n for n in os.listdir(directory) if n.startswith(str(step)) and "tmp" in n]
+
+
 def kill_during_save(args):
   manager = optax_hybrid.checkpoint.manager(args.dir)
   small = {"x": jnp.arange(10.0)}
   optax_hybrid.checkpoint.save(manager, 1, small, wait=True)
-  # Large enough that writing takes far longer than reaching the kill below.
+  # Large enough that writing takes far longer than noticing it has started.
   big = {"x": jnp.ones((128, 1024, 1024), jnp.float32), "y": jnp.ones((64, 1024, 1024), jnp.float32)}
   optax_hybrid.checkpoint.save(manager, 2, big)
+  # The save is asynchronous: its temporary directory appears a moment later.
+  # Kill only once it exists, the state this run means to interrupt.
+  deadline = time.monotonic() + 120
+  while not save_in_progress(args.dir, 2):
+    if time.monotonic() > deadline or os.path.isdir(os.path.join(args.dir, "2")):
+      print(f"NO SAVE IN PROGRESS to kill: {sorted(os.listdir(args.dir))}", flush=True)
+      sys.exit(3)
+    time.sleep(0.001)
+  print(f"KILLING during {save_in_progress(args.dir, 2)}", flush=True)
   os.kill(os.getpid(), signal.SIGKILL)
 
 

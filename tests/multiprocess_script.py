@@ -77,7 +77,7 @@ def main() -> None:
       coordinator_address=args.coordinator,
       num_processes=args.num_processes,
       process_id=args.process_id,
-      initialization_timeout=30,
+      initialization_timeout=120,
   )
 
   import jax.numpy as jnp

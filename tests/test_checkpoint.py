@@ -44,7 +44,10 @@ def test_resume_in_a_new_process_is_bit_identical(tmp_path):
 
 def test_a_save_killed_midway_leaves_the_previous_checkpoint(tmp_path):
   ckpt = str(tmp_path / "ckpt")
-  run_script("kill", "--dir", ckpt, expect_rc=-9)
+  # The script kills itself once the temporary directory of step 2's save
+  # exists (it waits for it: the save is asynchronous), never before.
+  out = run_script("kill", "--dir", ckpt, expect_rc=-9)
+  assert "KILLING during" in out, out
   leftovers = [name for name in os.listdir(ckpt) if name.startswith("2") and "tmp" in name]
   assert leftovers, os.listdir(ckpt)  # the kill really hit the save of step 2 midway
   manager = optax_hybrid.checkpoint.manager(ckpt)

@@ -14,6 +14,7 @@ neither optax_hybrid's transform nor its schedule enters it.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import socket
@@ -25,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 
 import multiprocess_script as problem_def
 from numpy_reference import colossal_lr
@@ -35,14 +37,54 @@ NUM_PROCESSES = 2
 # The checkpoint round trip is an optional extra of the run; training is
 # tested without it.
 HAVE_ORBAX = importlib.util.find_spec("orbax") is not None and importlib.util.find_spec("orbax.checkpoint") is not None
-TIMEOUT_S = 60
+# A guard against a hung collective, not a performance bound: a passing run
+# takes about 15 s here, but two JAX processes compiling on a loaded 2-core CI
+# machine can take several times that. A failing process ends the run at once.
+TIMEOUT_S = 300
+# Attempts when the coordinator's port was taken between choosing it and
+# binding it (only possible when the port could not be held, see reserve_port).
+PORT_ATTEMPTS = 3
 
 
-def free_port() -> int:
-  """A loopback port nobody listens on now (the coordinator binds it a moment later)."""
-  with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
+class PortTaken(AssertionError):
+  """The coordinator could not bind its port."""
+
+
+@contextlib.contextmanager
+def reserve_port():
+  """Yields a loopback port that stays bound here until the block ends.
+
+  The socket is bound with ``SO_REUSEPORT`` and never listens: the
+  coordinator's gRPC server (which binds with ``SO_REUSEPORT`` too) can bind
+  the same port while this holds it, and no other program can take it in
+  between. Where that option is missing, the port is released at once and a
+  bind failure is retried (:class:`PortTaken`).
+  """
+  s = bound_socket()
+  port = s.getsockname()[1]
+  if not hasattr(socket, "SO_REUSEPORT"):
+    s.close()
+  try:
+    yield port
+  finally:
+    s.close()
+
+
+def bound_socket() -> socket.socket:
+  """A TCP socket bound to an ephemeral port on every address (IPv6 dual stack) or on IPv4 loopback."""
+  for family, host in ((socket.AF_INET6, "::"), (socket.AF_INET, "127.0.0.1")):
+    try:
+      s = socket.socket(family, socket.SOCK_STREAM)
+    except OSError:
+      continue
+    try:
+      if hasattr(socket, "SO_REUSEPORT"):
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+      s.bind((host, 0))
+      return s
+    except OSError:
+      s.close()
+  raise RuntimeError("no TCP socket could be bound")
 
 
 def child_env() -> dict[str, str]:
@@ -59,16 +101,32 @@ def child_env() -> dict[str, str]:
 def run_processes(out_dir: str) -> list[str]:
   """Starts every process, waits for all of them, and returns their stdouts.
 
+  Retries with another port when the coordinator could not bind its own
+  (:class:`PortTaken`), at most ``PORT_ATTEMPTS`` times.
+  """
+  for attempt in range(PORT_ATTEMPTS):
+    with reserve_port() as port:
+      try:
+        return run_processes_once(out_dir, f"127.0.0.1:{port}")
+      except PortTaken:
+        if attempt == PORT_ATTEMPTS - 1:
+          raise
+
+
+def run_processes_once(out_dir: str, coordinator: str) -> list[str]:
+  """One run of every process against ``coordinator``.
+
   A process that fails leaves its peers blocked in a collective until their
   own timeouts, so on the first failure (or at ``TIMEOUT_S``) all are killed
   and every process's output goes into the assertion message.
   """
-  coordinator = f"127.0.0.1:{free_port()}"
   procs, logs = [], []
   try:
     for i in range(NUM_PROCESSES):
       out = open(os.path.join(out_dir, f"stdout_{i}.txt"), "w+")
       err = open(os.path.join(out_dir, f"stderr_{i}.txt"), "w+")
+      for f in (out, err):
+        f.truncate(0)  # a retry reuses the files
       logs.append((out, err))
       cmd = [sys.executable, SCRIPT, "--coordinator", coordinator, "--num-processes", str(NUM_PROCESSES),
              "--process-id", str(i), "--local-devices", "2", "--memory-kind", "pinned_host", "--out-dir", out_dir]
@@ -103,7 +161,8 @@ def run_processes(out_dir: str) -> list[str]:
   texts = [(read(out), read(err)) for out, err in logs]
   if failure is not None:
     report = "\n".join(f"--- process {i} stdout:\n{o}\n--- process {i} stderr:\n{e}" for i, (o, e) in enumerate(texts))
-    raise AssertionError(f"multi-process run failed: {failure}\n{report}")
+    port_taken = any(m in texts[0][1] for m in ("Failed to start RPC server", "Failed to add port"))
+    raise (PortTaken if port_taken else AssertionError)(f"multi-process run failed: {failure}\n{report}")
   return [o for o, _ in texts]
 
 
@@ -166,3 +225,18 @@ def test_two_processes_match_single_device_optax(tmp_path):
         # a relative tolerance alone would ask for more than float32 holds.
         atol = 0.0 if group == "params" else 1e-7
         np.testing.assert_allclose(got, expected, rtol=1e-5, atol=atol, err_msg=f"{path}/{group}/{k}")
+
+
+def test_a_reserved_port_is_held_for_the_coordinator_only():
+  """While reserved, a plain bind of the port fails and a SO_REUSEPORT listener (gRPC's way) succeeds."""
+  if not hasattr(socket, "SO_REUSEPORT"):
+    pytest.skip("no SO_REUSEPORT here: the run retries on a taken port instead")
+  with reserve_port() as port:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as other:
+      with pytest.raises(OSError):
+        other.bind(("127.0.0.1", port))
+    family, host = (socket.AF_INET6, "::") if socket.has_ipv6 else (socket.AF_INET, "127.0.0.1")
+    with socket.socket(family, socket.SOCK_STREAM) as coordinator:
+      coordinator.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+      coordinator.bind((host, port))
+      coordinator.listen()
