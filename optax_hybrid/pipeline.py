@@ -165,7 +165,7 @@ def run_groups(leaves: list[LeafIn], plan: Plan, s: AdamScalars, *, adamw_mode: 
 
   Groups run in the order of their first leaf. A streamed group's transfers
   wait for the results of the group :data:`STREAM_LAG` stages before it in
-  the same place, which bounds what is staged (:mod:`optax_hybrid.plan`).
+  the same place (2 on the device, 1 on the host), which bounds what is staged (:mod:`optax_hybrid.plan`).
   The groups share nothing but the step's scalars, so XLA may run the host's
   and the device's at the same time.
   """
@@ -176,8 +176,9 @@ def run_groups(leaves: list[LeafIn], plan: Plan, s: AdamScalars, *, adamw_mode: 
   for key, idx in members.items():
     where, stage, _ = key
     group_in = [leaves[i] for i in idx]
-    if plan.leaves[idx[0]].streamed and stage >= STREAM_LAG:
-      before = [i for (w, st, _), js in members.items() if w == where and st == stage - STREAM_LAG for i in js]
+    lag = STREAM_LAG[where]
+    if plan.leaves[idx[0]].streamed and stage >= lag:
+      before = [i for (w, st, _), js in members.items() if w == where and st == stage - lag for i in js]
       earlier, group_in = lax.optimization_barrier(([outs[i] for i in before], group_in))
       for i, out in zip(before, earlier):
         outs[i] = out

@@ -132,14 +132,7 @@ def check_tier_promise(combo: dict, report: dict, figures: dict) -> None:
   updates = figures["update_bytes"] if combo["path"] == "update" else 0
   if state["host"]:  # updated on the host, in place: a few stages of host temporaries, not a copy
     stage = max(largest_state["host"], figures["stage_bytes"])
-    if combo["dtype"] == "f32":
-      # Known gap (docs/gpu_compile.md): with fp32 params (no master) XLA merges
-      # the stages' host computations (3 host calls for 5 stages) and the host
-      # temporaries hold the whole host state once (1.5 times with
-      # offload_fraction), against twice before the stages. Held there.
-      assert report["host_temp_bytes"] <= 1.5 * state["host"] + SLACK, f"host state copied twice: {why}"
-    else:
-      assert report["host_temp_bytes"] <= 3 * stage + SLACK, f"host state copied: {why}"
+    assert report["host_temp_bytes"] <= 3 * stage + SLACK, f"host state copied: {why}"
     assert report["device_temp_bytes"] <= 2 * largest_param["host"] + updates + SLACK + (
         3 * max(largest_state["host_state"], figures["stage_bytes"]) if state["host_state"] else 0), (
         f"moments or master staged on the device: {why}")
