@@ -1,14 +1,14 @@
-"""Where optimizer state lives and where each leaf's update is computed.
+"""Memory kinds: validating them, placing state in them, and computing where values live.
 
 Two memory kinds are used for state: ``"device"`` (accelerator memory) and
-``"pinned_host"`` (page-locked host memory the accelerator reads by DMA). The
-place an update runs follows its parameter:
-
-* a parameter in device memory is updated on the device; moments kept in host
-  memory are streamed in, updated by the fused step and streamed back;
-* a parameter in host memory is updated on the host CPU with XLA host compute
-  (``compute_on('device_host')``): its gradient moves to the host, and the new
-  moments and the update stay there.
+``"pinned_host"`` (page-locked host memory the accelerator reads by DMA). This
+module creates placed zeros and copies for ``init``, and holds the helpers that
+keep arithmetic where its values live: :func:`map_where_they_live` (host
+values inside one host-compute region), :func:`apply_updates`,
+:func:`all_finite`, and the jaxpr check
+:func:`host_arithmetic_outside_host_compute`. Which leaf runs where is decided
+by the plan (:mod:`optax_hybrid.plan`) and carried out by
+:mod:`optax_hybrid.pipeline`.
 
 Under ``jit`` the memory space is part of an array's type, so all of this is
 decided at trace time and costs nothing per step beyond the copies themselves.

@@ -1,8 +1,8 @@
 """Placement tiers: where each leaf's optimizer state lives and where its update runs.
 
-A tier per parameter leaf, chosen once by ``init`` and carried in the state as
-static data (a :class:`Plan`, no arrays), so every later ``update`` places the
-work the same way without looking at the params again:
+A tier per parameter leaf, chosen once by ``init`` and carried in the state's
+plan (:class:`optax_hybrid.plan.Plan`, static data, no arrays), so every later
+``update`` places the work the same way without looking at the params again:
 
 ========== =================================== ==========================================
 tier        moments (and fp32 master, if any)   update computed

@@ -29,7 +29,8 @@ class HybridAdamState(NamedTuple):
     master: with ``master_dtype``, the master copy of each lower-precision
       param (a tree shaped like the params, ``None`` where a param keeps no
       master), placed with the leaf's moments; ``None`` otherwise.
-    plan: each leaf's placement tier (:class:`optax_hybrid.tiers.Plan`),
+    plan: every per-leaf decision made by ``init`` (:class:`optax_hybrid.plan.Plan`:
+      tier, memory kinds, dtypes, decay, shardings, streaming stage),
       static data that holds no arrays.
   """
 

@@ -1,12 +1,14 @@
 """Kernels that carry out the fused AdamW step over a list of leaves.
 
-Every kernel has the signature of :func:`reference.update_leaves` and is tested
-against it. ``"xla"`` is the reference rule itself, one fused XLA loop per leaf.
+Every kernel follows one contract (:mod:`optax_hybrid.kernels.contract`:
+``update_leaves(leaves, facts, s, rule) -> results``) and is tested against
+:func:`reference.update_leaves`. ``"xla"`` is the reference rule itself, one fused XLA loop per leaf.
 ``"native"`` is the compiled CPU kernel (:mod:`native_cpu`), one custom call
 for all CPU-resident leaves. ``"pallas"`` is the fused GPU kernel
 (:mod:`pallas_gpu`), one launch per 64 leaves, run in Pallas interpret mode off
 the GPU. ``"auto"`` picks the Pallas kernel on a GPU, and on a CPU the native
-kernel for the fused ``tx.step`` where it is built (see :func:`resolve_kernel`).
+kernel for the fused ``tx.step`` where it is built, chosen per platform at
+lowering (see :func:`kernels_for`).
 
 The contract for any other kernel: it must honour every field of
 :class:`AdamScalars` (``step_ok`` included), and hand the leaves it cannot take
