@@ -6,6 +6,7 @@ Supported: JAX 0.10.x and 0.11.x. Nothing else in the package imports from
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from typing import Any, Callable, Sequence
 
@@ -110,6 +111,44 @@ def move(x: Any, space: Any) -> Any:
 
 def move_all(xs: Sequence[Any], space: Any) -> list[Any]:
   return [move(x, space) for x in xs]
+
+
+# The platforms a step is declared to be lowered for (kernels.contract.lowering_for).
+# A JAX config state with include_in_trace_context: jit's trace cache is keyed
+# on it, so a step traced for CUDA is never reused for a CPU call or the
+# reverse. Private in JAX 0.10 and 0.11; a plain context variable otherwise
+# (then a jitted function must not be traced both ways).
+try:
+  from jax._src import config as _jax_config
+  _LOWERING_PLATFORMS = _jax_config.optional_string_state(
+      "optax_hybrid_lowering_platforms", None,
+      "Comma-separated platforms optax_hybrid's steps are lowered for (set by kernels.lowering_for).",
+      include_in_trace_context=True)
+except (ImportError, AttributeError, TypeError):  # pragma: no cover - a future JAX
+  import contextvars as _contextvars
+  _LOWERING_PLATFORMS = None
+  _LOWERING_FALLBACK = _contextvars.ContextVar("optax_hybrid_lowering_platforms", default=None)
+
+
+@contextlib.contextmanager
+def declared_lowering_platforms(platforms: Sequence[str]):
+  """Within: steps are traced for ``platforms`` (see :func:`optax_hybrid.kernels.lowering_for`)."""
+  value = ",".join(platforms)
+  if _LOWERING_PLATFORMS is not None:
+    with _LOWERING_PLATFORMS(value):
+      yield
+    return
+  token = _LOWERING_FALLBACK.set(value)  # pragma: no cover
+  try:  # pragma: no cover
+    yield
+  finally:  # pragma: no cover
+    _LOWERING_FALLBACK.reset(token)
+
+
+def lowering_platforms_declared() -> tuple[str, ...] | None:
+  """The declared platforms, or None."""
+  value = _LOWERING_PLATFORMS.value if _LOWERING_PLATFORMS is not None else _LOWERING_FALLBACK.get()
+  return tuple(value.split(",")) if value else None
 
 
 _UINT_OF_SIZE = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}

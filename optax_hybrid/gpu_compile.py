@@ -50,6 +50,7 @@ from typing import Any, Callable, Iterator, Sequence
 import jax
 
 from optax_hybrid import _compat
+from optax_hybrid.kernels.contract import lowering_for
 
 __all__ = [
     "GpuCompileError",
@@ -496,15 +497,20 @@ def compile_for_gpu(fn: Callable, *args: Any, target: str = "h100", num_devices:
                      f"which has {len(jax.devices())}: set XLA_FLAGS=--xla_force_host_platform_device_count="
                      f"{num_devices} before JAX starts.")
   _topology_devices(load_target(target), num_devices)  # fail early: bad target, no plugin
-  lowered = _jitted(fn, donate_argnums, jit_kwargs).trace(*args).lower(lowering_platforms=("cuda",))
+  # Declared so that the optimizer's kernel choice is CUDA's (kernels.lowering_for).
+  with lowering_for("cuda"):
+    lowered = _jitted(fn, donate_argnums, jit_kwargs).trace(*args).lower(lowering_platforms=("cuda",))
   return compile_lowered(lowered, target=target, num_devices=num_devices)
 
 
 def compile_lowered(lowered: Any, target: str = "h100", num_devices: int = 1) -> GpuCompileReport:
   """Compiles an already lowered function for a GPU target (see :func:`compile_for_gpu`).
 
-  Lower once and compile for several targets:
-  ``lowered = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))``.
+  Lower once and compile for several targets: ``with
+  optax_hybrid.kernels.lowering_for("cuda"): lowered =
+  jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))`` (the
+  declaration makes the optimizer choose CUDA's kernels while tracing on the
+  CPU).
 
   Args:
     lowered: a ``jax.stages.Lowered`` lowered for ``"cuda"``.

@@ -21,6 +21,7 @@ from jax import lax
 from optax_hybrid import _compat, disk, placement
 from optax_hybrid._compat import DEVICE, HOST
 from optax_hybrid.kernels import AdamScalars, LeafFacts, LeafOperands, Rule, kernels_for, reference
+from optax_hybrid.kernels.contract import per_platform
 from optax_hybrid.plan import STREAM_LAG, LeafPlan, Plan, check_inexact_leaves
 
 
@@ -229,10 +230,7 @@ def _run_group(plans: Sequence[LeafPlan], leaves: Sequence[LeafIn], plan: Plan, 
                 for lp, op in zip(plans, operands)]
   else:
     branches = {p: functools.partial(compute, k) for p, k in kernels.items()}
-  if list(branches) == ["default"]:
-    results = branches["default"](operands, s)
-  else:
-    results = lax.platform_dependent(operands, s, **branches)
+  results = per_platform(branches, operands, s)
 
   def back(x, like):
     return None if x is None else _compat.move(x, _compat.memory_space_of(like))

@@ -29,7 +29,8 @@ import numpy as np  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
 import optax_hybrid  # noqa: E402
-from optax_hybrid import gpu_compile  # noqa: E402
+from optax_hybrid import gpu_compile
+from optax_hybrid.kernels import lowering_for  # noqa: E402
 
 MiB = 2**20
 # The host_state tier's staging budget, if the library names one.
@@ -156,7 +157,8 @@ def run(combo: dict, disk_dir: str) -> dict:
         updates, s = tx.update(g, s, p)
         return optax_hybrid.apply_updates(p, updates), s
       fn = jax.jit(train_step, donate_argnums=(0, 1))
-    lowered = fn.trace(params, state, grads).lower(lowering_platforms=("cuda",))
+    with lowering_for("cuda"):
+      lowered = fn.trace(params, state, grads).lower(lowering_platforms=("cuda",))
     reports = {}
     for target in combo["targets"]:
       report = gpu_compile.compile_lowered(lowered, target=target, num_devices=combo["devices"])

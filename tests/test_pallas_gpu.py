@@ -73,7 +73,8 @@ def test_leaves_the_kernel_does_not_take_use_the_reference_in_the_same_step():
   s = reference.step_scalars(jnp.int32(0), 1e-2, 0.9, 0.999, 1e-8, 0.1, True)
   args = ([True] * 3, [x.dtype for x in g], s)
   fn = lambda k: jax.jit(lambda g, m, v, p: call_kernel(k, g, m, v, p, *args, adamw_mode=True, write_params=True))
-  lowered = fn(pallas_gpu.update_leaves).trace(g, m, v, p).lower(lowering_platforms=("cuda",)).as_text()
+  with kernels.lowering_for("cuda"):
+    lowered = fn(pallas_gpu.update_leaves).trace(g, m, v, p).lower(lowering_platforms=("cuda",)).as_text()
   assert pallas_gpu.gpu_launches(lowered) == 1  # only the float32 leaf
   for a, b in zip(jax.tree.leaves(fn(pallas_gpu.update_leaves)(g, m, v, p)),
                   jax.tree.leaves(fn(reference.update_leaves)(g, m, v, p))):
@@ -94,11 +95,10 @@ def lower_for_cuda(tx, n_leaves, dtype=jnp.bfloat16, fused=True):
   state = jax.eval_shape(tx.init, params)
   if fused:
     fn = jax.jit(tx.step, donate_argnums=(0, 1))
-    traced = fn.trace(params, state, params)
   else:
     fn = jax.jit(lambda g, s, p: tx.update(g, s, p))
-    traced = fn.trace(params, state, params)
-  return traced.lower(lowering_platforms=("cuda",)).as_text()
+  with kernels.lowering_for("cuda"):  # the kernels choose for CUDA while traced on the CPU
+    return fn.trace(params, state, params).lower(lowering_platforms=("cuda",)).as_text()
 
 
 @pytest.mark.parametrize("fused", [True, False])
@@ -131,6 +131,33 @@ def test_auto_lowered_for_cuda_is_the_pallas_kernel_even_when_traced_on_a_cpu(fu
   assert pallas_gpu.gpu_launches(lower_for_cuda(tx, 3, fused=fused)) == 1
   tx = optax_hybrid.hybrid_adamw(1e-3, weight_decay=0.1, kernel="xla")
   assert pallas_gpu.gpu_launches(lower_for_cuda(tx, 3, fused=fused)) == 0
+
+
+def test_only_the_branches_of_the_lowering_platform_are_traced():
+  # A plain jit on the CPU traces the CPU's kernel alone: the Pallas kernel
+  # (costly to trace) is not in the program at all.
+  tx = optax_hybrid.hybrid_adamw(1e-3, weight_decay=0.1, kernel="auto")
+  params = {"w": jnp.ones((8, 8))}
+  jaxpr = str(jax.make_jaxpr(tx.step)(params, tx.init(params), params))
+  assert "pallas_call" not in jaxpr and "platform_index" not in jaxpr
+  with kernels.lowering_for("cuda", "cpu"):  # two platforms: both kernels, chosen at lowering
+    jaxpr = str(jax.make_jaxpr(tx.step)(params, tx.init(params), params))
+  assert "pallas_call" in jaxpr and "platform_index" in jaxpr
+
+
+def test_a_step_traced_for_cuda_is_not_reused_for_a_cpu_call():
+  # jit's trace cache is keyed on the declaration: the same jitted step lowered
+  # for CUDA inside it, then called on the CPU outside it, runs the CPU's kernel.
+  tx = optax_hybrid.hybrid_adamw(1e-3, weight_decay=0.1, kernel="auto")
+  params = {"w": jnp.ones((8, 8))}
+  state = tx.init(params)
+  step = jax.jit(tx.step)
+  with kernels.lowering_for("cuda"):
+    text = step.trace(params, state, params).lower(lowering_platforms=("cuda",)).as_text()
+  assert pallas_gpu.gpu_launches(text) == 1
+  new_params, _ = step(params, state, params)
+  want, _ = jax.jit(optax_hybrid.hybrid_adamw(1e-3, weight_decay=0.1, kernel="xla").step)(params, state, params)
+  np.testing.assert_allclose(np.asarray(new_params["w"]), np.asarray(want["w"]), rtol=1e-6)
 
 
 # --- through hybrid_adamw ----------------------------------------------------

@@ -25,7 +25,7 @@ from typing import Callable
 import jax
 
 from optax_hybrid.kernels import contract, native_cpu, pallas_gpu, reference
-from optax_hybrid.kernels.contract import AdamScalars, LeafFacts, LeafOperands, LeafResult, Rule
+from optax_hybrid.kernels.contract import AdamScalars, LeafFacts, LeafOperands, LeafResult, Rule, lowering_for
 from optax_hybrid.kernels.reference import step_scalars
 
 KERNEL_NAMES = ("auto", "xla", "native", "pallas")
@@ -58,10 +58,11 @@ def _native_or_reference(kernel: str) -> Kernel:
 def kernels_for(kernel: str, *, fused: bool, runs_on: str = "device", split: str = "direct") -> dict[str, Kernel]:
   """The kernel each platform runs, as ``{platform: kernel}`` for ``lax.platform_dependent``.
 
-  The choice follows the platform the step is *lowered* for, not the process's
-  default backend, so a step traced on a CPU and lowered for CUDA (the
-  GPU-compile check) is the step a GPU runs. ``"default"`` covers every other
-  platform.
+  The choice follows the platform the step is *lowered* for
+  (:func:`optax_hybrid.kernels.contract.per_platform`): the default backend's
+  for a plain ``jit``, the declared one inside :func:`lowering_for`, so a step
+  traced on a CPU and lowered for CUDA (the GPU-compile check) is the step a
+  GPU runs. ``"default"`` covers every other platform.
 
   * ``"xla"``: the reference rule everywhere.
   * ``"pallas"``: the Pallas kernel (Triton on CUDA and ROCm, interpret mode
@@ -102,4 +103,4 @@ def kernels_for(kernel: str, *, fused: bool, runs_on: str = "device", split: str
 
 
 __all__ = ["AdamScalars", "KERNEL_NAMES", "LeafFacts", "LeafOperands", "LeafResult", "Rule", "check_kernel_name",
-           "contract", "kernels_for", "native_cpu", "pallas_gpu", "reference", "step_scalars"]
+           "contract", "kernels_for", "lowering_for", "native_cpu", "pallas_gpu", "reference", "step_scalars"]

@@ -16,11 +16,14 @@ the rule once; the custom kernels hand it the leaves they cannot take
 
 from __future__ import annotations
 
-from typing import Any, Iterator, NamedTuple, Sequence
+import contextlib
+from typing import Any, Callable, Iterator, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from optax_hybrid import _compat
 
 
 class AdamScalars(NamedTuple):
@@ -109,3 +112,55 @@ def in_chunks(run, leaves: Sequence[LeafOperands], facts: Sequence[LeafFacts], s
   for part in chunks(len(leaves), size):
     out.extend(run(leaves[part], facts[part]))
   return out
+
+
+# ---------------------------------------------------------------------------
+# Per-platform choices
+# ---------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def lowering_for(*platforms: str) -> Iterator[None]:
+  """Declares the platforms the steps traced inside will be lowered for (``"cuda"``, ``"cpu"``, ...).
+
+  ``jit`` lowers for the default backend, and that is what the kernels assume.
+  Tracing on one backend and lowering for another
+  (``.lower(lowering_platforms=("cuda",))``) needs this declaration for the
+  kernel choice to be the one that platform makes;
+  :func:`optax_hybrid.gpu_compile.compile_for_gpu` makes it for you. ``jit``'s
+  trace cache is keyed on it, so a step traced inside is not reused outside.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, optax_hybrid
+    >>> from optax_hybrid.kernels import lowering_for
+    >>> tx = optax_hybrid.hybrid_adamw(1e-3)  # kernel="auto"
+    >>> params = {"w": jnp.ones(3)}
+    >>> with lowering_for("cuda"):
+    ...   lowered = jax.jit(tx.step).trace(params, tx.init(params), params).lower(lowering_platforms=("cuda",))
+  """
+  with _compat.declared_lowering_platforms(platforms):
+    yield
+
+
+def lowering_platforms() -> tuple[str, ...]:
+  """The platforms a step traced now is lowered for: the declared ones, else the default backend's."""
+  declared = _compat.lowering_platforms_declared()
+  if declared:
+    return declared
+  backend = jax.default_backend()
+  return {"gpu": ("cuda", "rocm")}.get(backend, (backend,))
+
+
+def per_platform(branches: dict[str, Callable], *args: Any) -> Any:
+  """``branches[platform](*args)`` for the platform the step is lowered for.
+
+  ``branches`` maps platform names to functions, ``"default"`` covering the
+  others. Only the branches of :func:`lowering_platforms` are traced (tracing
+  a branch, the Pallas kernel's say, is not free); one left is called
+  directly, several go through ``lax.platform_dependent``, which picks at
+  lowering.
+  """
+  wanted = {p: branches.get(p, branches["default"]) for p in lowering_platforms()}
+  distinct = list(dict.fromkeys(wanted.values()))
+  if len(distinct) == 1:
+    return distinct[0](*args)
+  return jax.lax.platform_dependent(*args, **wanted, default=branches["default"])

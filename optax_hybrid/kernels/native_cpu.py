@@ -150,7 +150,7 @@ def update_leaves(
     if direct:
       return on_cpu(leaves)
     elsewhere = lambda leaves: reference.update_leaves(leaves, facts, s, rule)
-    return jax.lax.platform_dependent(leaves, cpu=on_cpu, default=elsewhere)
+    return contract.per_platform({"cpu": on_cpu, "default": elsewhere}, leaves)
 
   return reference.with_reference_for_the_rest(lambda leaf, fact: supports(leaf, fact, rule), run_native,
                                                leaves, facts, s, rule)

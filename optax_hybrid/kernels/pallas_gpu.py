@@ -161,7 +161,7 @@ def update_leaves(
     run = functools.partial(_run, facts=facts, s=s, rule=rule, block_size=block_size, num_warps=num_warps)
     on_gpu = lambda leaves: run(leaves, interpret=False)
     interpreted = lambda leaves: run(leaves, interpret=True)
-    return jax.lax.platform_dependent(leaves, cuda=on_gpu, rocm=on_gpu, default=interpreted)
+    return contract.per_platform({"cuda": on_gpu, "rocm": on_gpu, "default": interpreted}, leaves)
 
   return reference.with_reference_for_the_rest(supports, run_pallas, leaves, facts, s, rule)
 
