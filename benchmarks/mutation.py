@@ -1,0 +1,238 @@
+"""Mutation testing: small AST mutations of the rule, the schedule and the tiers, each run against its tests.
+
+    python benchmarks/mutation.py                    # every target, every mutant
+    python benchmarks/mutation.py --list             # the mutants, without running anything
+    python benchmarks/mutation.py --target schedules --limit 5
+
+Each mutant changes one operator or constant of one module (``+`` to ``-``,
+``<`` to ``<=``, ``and`` to ``or``, ``True`` to ``False``, ``0`` to ``1``, a
+dropped ``not``, ...), is written into a scratch copy of the repository, and
+the module's targeted tests run against it (``pytest -x``, Hypothesis without
+shrinking). A mutant is *killed* when a test fails (or the run times out),
+*survives* otherwise. Docstrings, error messages and other strings are not
+mutated. Single process, on purpose: CPU time is scarce where this runs.
+
+The report lists the survivors with their line, so each can be killed by a
+new test or explained. Not part of CI: a full run takes about 30 minutes on a
+2-core CPU. Results are recorded in docs/testing.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import datetime
+import fnmatch
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# Module -> the fast tests that should kill its mutants, fastest first (-x stops at
+# the first failure). Entries with "*" are globs over collected node IDs.
+TARGETS = {
+    "schedules": ("optax_hybrid/schedules.py", ["tests/test_schedules.py"]),
+    "reference": ("optax_hybrid/kernels/reference.py", [
+        "tests/test_properties.py::test_two_steps_equal_the_float64_model",
+        "tests/test_transform.py",
+        "tests/test_kernels.py",
+    ]),
+    "tiers": ("optax_hybrid/tiers.py", [
+        "tests/test_tiers.py",
+        "tests/test_memory_kinds.py::*-xla-f32-step]",
+        "tests/test_memory_kinds.py::*-xla-bf16_fp32_master-update_apply]",
+        "tests/test_disk.py",
+    ]),
+}
+
+BINOP_SWAPS = {ast.Add: ast.Sub, ast.Sub: ast.Add, ast.Mult: ast.Div, ast.Div: ast.Mult, ast.Pow: ast.Mult,
+               ast.FloorDiv: ast.Div, ast.Mod: ast.FloorDiv}
+CMP_SWAPS = {ast.Lt: ast.LtE, ast.LtE: ast.Lt, ast.Gt: ast.GtE, ast.GtE: ast.Gt, ast.Eq: ast.NotEq,
+             ast.NotEq: ast.Eq, ast.In: ast.NotIn, ast.NotIn: ast.In, ast.Is: ast.IsNot, ast.IsNot: ast.Is}
+
+
+@dataclasses.dataclass
+class Mutant:
+  target: str
+  index: int
+  line: int
+  description: str
+  source: str = dataclasses.field(repr=False, default="")
+
+
+def _skip_nodes(tree: ast.AST) -> set[int]:
+  """ids of nodes not to mutate: docstrings, raise statements, type annotations, __all__."""
+  skip = set()
+  for node in ast.walk(tree):
+    body = getattr(node, "body", None)
+    if isinstance(body, list) and body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+      skip.update(id(n) for n in ast.walk(body[0]))
+    if isinstance(node, ast.Raise):
+      skip.update(id(n) for n in ast.walk(node))
+    for ann in ("annotation", "returns"):
+      if getattr(node, ann, None) is not None:
+        skip.update(id(n) for n in ast.walk(getattr(node, ann)))
+    if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets):
+      skip.update(id(n) for n in ast.walk(node))
+  return skip
+
+
+def _mutation_sites(tree: ast.AST):
+  """Yields (node path, description, apply) for every mutation of ``tree``."""
+  skip = _skip_nodes(tree)
+  for node in ast.walk(tree):
+    if id(node) in skip:
+      continue
+    if isinstance(node, ast.BinOp) and type(node.op) in BINOP_SWAPS:
+      new = BINOP_SWAPS[type(node.op)]
+      yield node, f"{type(node.op).__name__} -> {new.__name__}", lambda n, new=new: setattr(n, "op", new())
+    elif isinstance(node, ast.AugAssign) and type(node.op) in BINOP_SWAPS:
+      new = BINOP_SWAPS[type(node.op)]
+      yield node, f"{type(node.op).__name__}= -> {new.__name__}=", lambda n, new=new: setattr(n, "op", new())
+    elif isinstance(node, ast.Compare):
+      for i, op in enumerate(node.ops):
+        if type(op) in CMP_SWAPS:
+          new = CMP_SWAPS[type(op)]
+          yield node, f"{type(op).__name__} -> {new.__name__}", \
+              lambda n, i=i, new=new: n.ops.__setitem__(i, new())
+    elif isinstance(node, ast.BoolOp):
+      new = ast.Or if isinstance(node.op, ast.And) else ast.And
+      yield node, f"{type(node.op).__name__} -> {new.__name__}", lambda n, new=new: setattr(n, "op", new())
+    elif isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.Not, ast.USub)):
+      yield node, f"drop {type(node.op).__name__}", "unwrap"
+    elif isinstance(node, ast.Constant) and not isinstance(node.value, str) and node.value is not None \
+        and node.value is not Ellipsis:
+      if isinstance(node.value, bool):
+        yield node, f"{node.value} -> {not node.value}", lambda n: setattr(n, "value", not n.value)
+      elif isinstance(node.value, (int, float)):
+        new_value = node.value + 1
+        yield node, f"{node.value!r} -> {new_value!r}", lambda n, v=new_value: setattr(n, "value", v)
+    elif isinstance(node, ast.IfExp):
+      yield node, "swap the branches of a conditional expression", \
+          lambda n: (lambda b, o: (setattr(n, "body", o), setattr(n, "orelse", b)))(n.body, n.orelse)
+
+
+def mutants_of(target: str) -> list[Mutant]:
+  path, _ = TARGETS[target]
+  with open(os.path.join(REPO, path)) as f:
+    original = f.read()
+  tree = ast.parse(original)
+  sites = list(_mutation_sites(tree))
+  out = []
+  for index in range(len(sites)):
+    fresh = ast.parse(original)
+    node, description, apply = list(_mutation_sites(fresh))[index]
+    line = node.lineno
+    if apply == "unwrap":
+      operand = node.operand
+      for parent in ast.walk(fresh):
+        for field, value in ast.iter_fields(parent):
+          if value is node:
+            setattr(parent, field, operand)
+          elif isinstance(value, list):
+            for i, item in enumerate(value):
+              if item is node:
+                value[i] = operand
+    else:
+      apply(node)
+    source = ast.unparse(fresh)
+    src_line = original.splitlines()[line - 1].strip()
+    out.append(Mutant(target, index, line, f"{description}: {src_line[:90]}", source))
+  return out
+
+
+def expand_tests(tests: list[str], work: str) -> list[str]:
+  """pytest arguments for ``tests``: globs are matched against the collected node IDs of their file."""
+  out = []
+  for t in tests:
+    if "*" not in t:
+      out.append(t)
+      continue
+    path = t.split("::", 1)[0]
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=work)
+    listed = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", path],
+                            cwd=work, env=env, capture_output=True, text=True, check=True).stdout.splitlines()
+    out.extend(n for n in listed if fnmatch.fnmatchcase(n, t))
+  return out
+
+
+def run_mutant(mutant: Mutant, work: str, tests: list[str], timeout: float) -> tuple[str, float, str]:
+  """Writes the mutant into ``work``, runs ``tests``; returns (killed/survived/timeout, seconds, the first failure)."""
+  path, _ = TARGETS[mutant.target]
+  dest = os.path.join(work, path)
+  with open(os.path.join(REPO, path)) as f:
+    original = f.read()
+  with open(dest, "w") as f:
+    f.write(mutant.source)
+  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=work, PYTHONDONTWRITEBYTECODE="1")
+  cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "--hypothesis-profile=mutation", *tests]
+  start = time.monotonic()
+  try:
+    result = subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True, timeout=timeout)
+    status = "survived" if result.returncode == 0 else "killed"
+    first = next((l for l in result.stdout.splitlines() if l.startswith(("FAILED", "ERROR"))), "")
+  except subprocess.TimeoutExpired:
+    status, first = "timeout", ""
+  finally:
+    with open(dest, "w") as f:
+      f.write(original)
+  return status, time.monotonic() - start, first
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--target", action="append", choices=sorted(TARGETS), help="module(s) to mutate (default: all)")
+  parser.add_argument("--limit", type=int, default=None, help="at most this many mutants per module")
+  parser.add_argument("--timeout", type=float, default=180.0, help="seconds per mutant (a timeout counts as killed)")
+  parser.add_argument("--list", action="store_true", help="list the mutants and exit")
+  parser.add_argument("--json", default=None, help="write the results here")
+  args = parser.parse_args()
+  targets = args.target or list(TARGETS)
+  mutants = [m for t in targets for m in mutants_of(t)[:args.limit]]
+  if args.list:
+    for m in mutants:
+      print(f"{m.target}:{m.line} #{m.index} {m.description}")
+    print(f"{len(mutants)} mutants")
+    return
+  work = tempfile.mkdtemp(prefix="optax_hybrid_mutation_")
+  shutil.copytree(REPO, work, dirs_exist_ok=True,
+                  ignore=shutil.ignore_patterns(".git", ".venv", "__pycache__", "runs", "*.egg-info"))
+  for root, dirs, _ in os.walk(work):  # stale bytecode could stand in for a same-size mutant
+    for d in [d for d in dirs if d == "__pycache__"]:
+      shutil.rmtree(os.path.join(root, d))
+  print(f"{len(mutants)} mutants of {', '.join(targets)}; scratch copy {work}", flush=True)
+  start = time.monotonic()
+  tests = {t: expand_tests(TARGETS[t][1], work) for t in targets}
+  results = []
+  for i, m in enumerate(mutants):
+    status, seconds, why = run_mutant(m, work, tests[m.target], args.timeout)
+    results.append({**dataclasses.asdict(m), "status": status, "seconds": round(seconds, 1), "failed": why})
+    del results[-1]["source"]
+    print(f"[{i + 1}/{len(mutants)}] {status:8s} {seconds:5.1f}s {m.target}:{m.line} {m.description}", flush=True)
+  shutil.rmtree(work, ignore_errors=True)
+  wall = time.monotonic() - start
+  killed = sum(r["status"] != "survived" for r in results)
+  print(f"\nmutation score: {killed}/{len(results)} killed ({100 * killed / max(1, len(results)):.1f}%), "
+        f"{wall / 60:.1f} min, {datetime.date.today()}")
+  for t in targets:
+    rs = [r for r in results if r["target"] == t]
+    k = sum(r["status"] != "survived" for r in rs)
+    print(f"  {t}: {k}/{len(rs)}")
+  survivors = [r for r in results if r["status"] == "survived"]
+  if survivors:
+    print("\nsurvivors:")
+    for r in survivors:
+      print(f"  {TARGETS[r['target']][0]}:{r['line']} {r['description']}")
+  if args.json:
+    with open(args.json, "w") as f:
+      json.dump({"date": str(datetime.date.today()), "wall_s": round(wall), "results": results}, f, indent=1)
+
+
+if __name__ == "__main__":
+  main()
