@@ -37,7 +37,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Module -> the fast tests that should kill its mutants, fastest first (-x stops at
 # the first failure). Entries with "*" are globs over collected node IDs.
 TARGETS = {
-    "schedules": ("optax_hybrid/schedules.py", ["tests/test_schedules.py"]),
+    "schedules": ("optax_hybrid/schedules.py", ["tests/test_schedules.py"]),  # all of it: 5 s
     "reference": ("optax_hybrid/kernels/reference.py", [
         "tests/test_kernels.py::test_leaf_update_against_float64",
         "tests/test_properties.py::test_two_steps_equal_the_float64_model",
@@ -50,7 +50,13 @@ TARGETS = {
     ]),
     "tiers": ("optax_hybrid/tiers.py", [
         "tests/test_memory_kinds.py::*-xla-f32-step]",
+        "tests/test_memory_kinds.py::test_params_in_host_memory_are_on_the_host_tier_whatever_the_state_kind[*-xla-*]",
+        "tests/test_memory_kinds.py::test_a_state_without_a_plan_runs_device_leaves_on_the_device",
         "tests/test_tiers.py::test_pick_by_fraction_takes_leaves_in_order_to_the_nearest_boundary",
+        "tests/test_tiers.py::test_pick_by_fraction_takes_a_leaf_exactly_half_inside_and_never_an_empty_one",
+        "tests/test_tiers.py::test_fractions_zero_and_one_are_valid_and_mean_none_and_all",
+        "tests/test_tiers.py::test_master_needed_only_for_lower_precision_floats_and_only_with_a_master_dtype",
+        "tests/test_tiers.py::test_the_plan_is_immutable_hashable_static_data",
         "tests/test_tiers.py::test_tier_specs_string_callable_and_prefix",
         "tests/test_tiers.py::test_bad_tier_arguments_are_named",
         "tests/test_tiers.py::test_master_weights_only_for_lower_precision_leaves_and_need_params_for_update",
@@ -212,10 +218,16 @@ def main():
   parser.add_argument("--limit", type=int, default=None, help="at most this many mutants per module")
   parser.add_argument("--timeout", type=float, default=180.0, help="seconds per mutant (a timeout counts as killed)")
   parser.add_argument("--list", action="store_true", help="list the mutants and exit")
+  parser.add_argument("--mutant", action="append", default=None, metavar="TARGET:INDEX",
+                      help="run only these mutants (as --list numbers them), e.g. schedules:0")
   parser.add_argument("--json", default=None, help="write the results here")
   args = parser.parse_args()
   targets = args.target or list(TARGETS)
   mutants = [m for t in targets for m in mutants_of(t)[:args.limit]]
+  if args.mutant:
+    wanted = {(t, int(i)) for t, i in (x.split(":") for x in args.mutant)}
+    mutants = [m for m in mutants if (m.target, m.index) in wanted]
+    targets = [t for t in targets if any(m.target == t for m in mutants)]
   if args.list:
     for m in mutants:
       print(f"{m.target}:{m.line} #{m.index} {m.description}")
