@@ -103,6 +103,10 @@ def test_type_errors_name_the_argument(kwargs, name):
 def test_defaults_are_no_warmup_and_a_floor_of_zero():
   sched = optax_hybrid.warmup_cosine_schedule(2.0, total_steps=10)
   assert float(sched(0)) == 2.0 and float(sched(jnp.int32(0))) == 2.0  # the first update at the peak
+  # Halfway down a cosine over all 10 steps (a 1-step warmup would also start
+  # at the peak, but its cosine would span 9).
+  assert float(sched(5)) == pytest.approx(1.0, rel=1e-6)
+  assert float(sched(jnp.int32(5))) == pytest.approx(1.0, rel=1e-6)
   assert float(sched(10)) == 0.0 and float(sched(jnp.int32(25))) == 0.0
 
 
