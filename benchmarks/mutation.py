@@ -23,9 +23,9 @@ import argparse
 import ast
 import dataclasses
 import datetime
-import fnmatch
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -185,7 +185,12 @@ def expand_tests(tests: list[str], work: str) -> list[str]:
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=work)
     listed = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", path],
                             cwd=work, env=env, capture_output=True, text=True, check=True).stdout.splitlines()
-    out.extend(n for n in listed if fnmatch.fnmatchcase(n, t))
+    # "*" is the only wildcard: brackets in parametrized IDs are literal.
+    pattern = re.compile(".*".join(re.escape(part) for part in t.split("*")) + r"\Z")
+    matched = [n for n in listed if pattern.match(n)]
+    if not matched:
+      raise SystemExit(f"{t!r} matches no test: update TARGETS")
+    out.extend(matched)
   return out
 
 
