@@ -21,10 +21,10 @@ import numpy as np
 import pytest
 
 import optax_hybrid
-from optax_hybrid import disk, placement
+from optax_hybrid import disk
 from stepping import grads_like, placed_params
 
-pytestmark = pytest.mark.skipif("pinned_host" not in placement.available_memory_kinds(),
+pytestmark = pytest.mark.skipif("pinned_host" not in optax_hybrid.available_memory_kinds(),
                                 reason="no pinned_host memory on this backend")
 
 # Leaves in jax.tree.leaves order: a (768), b (16), c (512), d (8); 1304 in all.
