@@ -1,3 +1,4 @@
+import collections
 import os
 import sys
 
@@ -10,3 +11,54 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 # The float64 NumPy references live beside the tests.
 sys.path.insert(0, os.path.dirname(__file__))
+
+try:
+  from hypothesis import Phase, settings
+except ImportError:  # the property tests then fail at import, loudly
+  pass
+else:
+  # benchmarks/mutation.py: stop at the first failing example, no shrinking
+  # (a failure is all a killed mutant needs; shrinking jitted steps takes minutes).
+  settings.register_profile("mutation", phases=[Phase.explicit, Phase.generate])
+
+
+IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+# Skips that CI must not have: .ci/run installs torch's CPU wheel and builds the
+# native kernel, so both are tested there, and a skip would hide a broken install.
+NOT_SKIPPED_IN_CI = ("could not import 'torch'", "native kernel:")
+_skipped_in_ci = []
+
+
+def _reason(report):
+  reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+  return reason.removeprefix("Skipped: ")
+
+
+def pytest_runtest_logreport(report):
+  if IN_CI and report.skipped and not hasattr(report, "wasxfail"):
+    if any(marker in _reason(report) for marker in NOT_SKIPPED_IN_CI):
+      _skipped_in_ci.append(f"{report.nodeid}: {_reason(report)}")
+
+
+def pytest_sessionfinish(session, exitstatus):
+  if _skipped_in_ci and session.exitstatus == 0:
+    session.exitstatus = 1
+
+
+def pytest_terminal_summary(terminalreporter):
+  """Lists every skipped test with its reason, whatever the -r flags: nothing is skipped silently."""
+  if _skipped_in_ci:
+    terminalreporter.section("skipped in CI although CI installs what they need (the run fails)", red=True)
+    for line in _skipped_in_ci:
+      terminalreporter.write_line(line)
+  skipped = terminalreporter.stats.get("skipped", [])
+  if not skipped:
+    return
+  by_reason = collections.defaultdict(list)
+  for report in skipped:
+    by_reason[_reason(report)].append(report.nodeid)
+  terminalreporter.section(f"{len(skipped)} skipped, and why")
+  for reason, nodeids in sorted(by_reason.items(), key=lambda item: -len(item[1])):
+    terminalreporter.write_line(f"{len(nodeids)} x {reason}")
+    for nodeid in nodeids:
+      terminalreporter.write_line(f"    {nodeid}")

@@ -7,7 +7,8 @@ and only the memory kind changed), or a file of the right size (disk tier,
 master in ``pinned_host``). It checks that before a step, after a jitted step
 with params and state donated, and after a second one, and that every moment
 was really written where it lives (non-zero after a step with non-zero
-gradients). The expected tiers are written out by hand from the documented
+gradients); and that the step has host compute exactly when a leaf is on the
+host tier (its update runs on the host CPU). The expected tiers are written out by hand from the documented
 rules (leaves taken in order, each when at least half of it fits within the
 fraction; disk first), not computed with the library's own helpers.
 """
@@ -20,10 +21,10 @@ import numpy as np
 import pytest
 
 import optax_hybrid
-from optax_hybrid import disk, placement
+from optax_hybrid import disk
 from stepping import grads_like, placed_params
 
-pytestmark = pytest.mark.skipif("pinned_host" not in placement.available_memory_kinds(),
+pytestmark = pytest.mark.skipif("pinned_host" not in optax_hybrid.available_memory_kinds(),
                                 reason="no pinned_host memory on this backend")
 
 # Leaves in jax.tree.leaves order: a (768), b (16), c (512), d (8); 1304 in all.
@@ -59,7 +60,7 @@ def state_leaves(tree):
   return jax.tree.leaves(tree, is_leaf=is_disk)
 
 
-def check_where_the_state_lives(params, state, expected, master, stepped, when):
+def check_where_the_state_lives(params, state, expected, master, stepped, when, param_kind="device", kinds=KIND):
   assert state.plan.tiers == expected, when
   assert state.count.sharding.memory_kind == "device", when
   p_leaves = jax.tree.leaves(params)
@@ -72,13 +73,13 @@ def check_where_the_state_lives(params, state, expected, master, stepped, when):
     assert len(leaves) == len(p_leaves), (when, name)
     for param, tier, x, key in zip(p_leaves, expected, leaves, sorted(SHAPES)):
       where = f"{when}: {name}[{key!r}] ({tier} tier)"
-      assert param.sharding.memory_kind == "device", where
+      assert param.sharding.memory_kind == param_kind, where
       if tier == "disk" and name != "master":
         assert is_disk(x), f"{where}: {type(x).__name__}, not a file"
         assert os.path.getsize(x.path) == param.size * 4, where
         value = disk.read(x)
       else:
-        kind = "pinned_host" if tier == "disk" else KIND[tier]
+        kind = "pinned_host" if tier == "disk" else kinds[tier]
         assert isinstance(x, jax.Array), f"{where}: {type(x).__name__}"
         assert x.sharding.memory_kind == kind, f"{where}: in {x.sharding.memory_kind}, expected {kind}"
         assert x.sharding == param.sharding.with_memory_kind(kind), (where, x.sharding, param.sharding)
@@ -124,8 +125,51 @@ def test_every_leaf_state_lives_where_its_tier_says(placement_name, kernel, mast
     state = tx.init(params)
     check_where_the_state_lives(params, state, expected, master, False, "after init")
     step = donated_step(tx, fused)
+    # Where the update is computed: host compute exactly when a leaf is on the host tier.
+    lowered = step.lower(params, state, grads[0]).as_text()
+    assert ('_xla_compute_type = "host"' in lowered) == ("host" in expected), "host compute"
     for i, g in enumerate(grads):
       params, state = step(params, state, g)
       check_where_the_state_lives(params, state, expected, master, True, f"after donated step {i + 1}")
   finally:
     tx.close()
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["update_apply", "step"])
+@pytest.mark.parametrize("kernel", ["xla", "native"])
+@pytest.mark.parametrize("state_memory_kind", [None, "pinned_host", "device"])
+def test_params_in_host_memory_are_on_the_host_tier_whatever_the_state_kind(state_memory_kind, kernel, fused):
+  # Params that live in host memory are updated on the host: their tier is
+  # "host" whatever state_memory_kind asks, and their moments sit beside them
+  # unless it asks for device memory ("computed on the host, wherever its
+  # state is", tiers.resolve).
+  params = jax.device_put(placed_params(SHAPES), jax.memory.Space.Host)
+  kinds = {"host": "device" if state_memory_kind == "device" else "pinned_host"}
+  grads = grads_like(params, 2)
+  tx = optax_hybrid.hybrid_adamw(1e-2, weight_decay=0.1, kernel=kernel, state_memory_kind=state_memory_kind)
+  state = tx.init(params)
+  expected = ("host",) * len(SHAPES)
+  check_where_the_state_lives(params, state, expected, False, False, "after init", "pinned_host", kinds)
+  step = donated_step(tx, fused)
+  assert '_xla_compute_type = "host"' in step.lower(params, state, grads[0]).as_text()
+  for i, g in enumerate(grads):
+    params, state = step(params, state, g)
+    check_where_the_state_lives(params, state, expected, False, True, f"after donated step {i + 1}",
+                                "pinned_host", kinds)
+
+
+def test_a_state_without_a_plan_runs_device_leaves_on_the_device():
+  # A HybridAdamState built without a plan (plan=None, its default) places
+  # each leaf's update by where its param lives: device params, no host compute.
+  params = placed_params(SHAPES)
+  grads = grads_like(params, 1)
+  tx = optax_hybrid.hybrid_adamw(1e-2, weight_decay=0.1, kernel="xla")
+  planned = tx.init(params)
+  unplanned = planned._replace(plan=None)
+  step = donated_step(tx, fused=False)
+  assert '_xla_compute_type' not in step.lower(params, unplanned, grads[0]).as_text()
+  want, _ = jax.jit(lambda p, s, g: tx.update(g, s, p))(params, planned, grads[0])
+  got, state = jax.jit(lambda p, s, g: tx.update(g, s, p))(params, unplanned, grads[0])
+  assert state.plan is None
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -3,6 +3,12 @@
 Off the GPU the kernel runs in Pallas interpret mode, so these tests check the
 kernel's own indexing (offsets table, masks, aliases) on the CPU; the CUDA
 lowering tests check what a GPU would be given.
+
+The kernel's body is :func:`reference.adam_leaf_update` itself, so comparing the
+kernel with the reference compares the rule with itself: those tests are
+indexing tests (which element of which leaf each program reads and writes,
+dtypes, masks) and are named so. The arithmetic is tested against the float64
+model in test_kernels.py, test_transform.py and test_properties.py.
 """
 
 import re
@@ -40,7 +46,7 @@ def tolerance(dtype):
 # alternate (each mode meets each output across the combinations).
 @pytest.mark.parametrize("pdtype,mdtype,adamw_mode,write_params",
                          [(p, m, (i + w) % 2 == 0, w) for i, (p, m) in enumerate(COMBOS) for w in (False, True)])
-def test_kernel_equals_reference(pdtype, mdtype, adamw_mode, write_params):
+def test_indexing_every_element_of_every_leaf_matches_the_reference_it_wraps(pdtype, mdtype, adamw_mode, write_params):
   got, want, _ = run_both(pdtype, mdtype, adamw_mode=adamw_mode, write_params=write_params)
   for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
     assert a.dtype == b.dtype and a.shape == b.shape
@@ -170,7 +176,7 @@ def tree(dtype, seed):
 
 @pytest.mark.parametrize("memory_kind", [None, "pinned_host"])
 @pytest.mark.parametrize("pdtype", [jnp.float32, jnp.bfloat16])
-def test_pallas_equals_xla_through_hybrid_adamw(pdtype, memory_kind):
+def test_indexing_through_hybrid_adamw_matches_the_xla_path(pdtype, memory_kind):
   if memory_kind is not None and memory_kind not in placement.available_memory_kinds():
     pytest.skip(f"no {memory_kind} memory here")
   params = tree(pdtype, 0)

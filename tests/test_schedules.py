@@ -96,3 +96,20 @@ def test_value_errors_name_the_argument(kwargs, name):
 def test_type_errors_name_the_argument(kwargs, name):
   with pytest.raises(TypeError, match=name):
     optax_hybrid.warmup_cosine_schedule(**kwargs)
+
+
+# Tests added for surviving mutants of schedules.py (benchmarks/mutation.py).
+
+def test_defaults_are_no_warmup_and_a_floor_of_zero():
+  sched = optax_hybrid.warmup_cosine_schedule(2.0, total_steps=10)
+  assert float(sched(0)) == 2.0 and float(sched(jnp.int32(0))) == 2.0  # the first update at the peak
+  # Halfway down a cosine over all 10 steps (a 1-step warmup would also start
+  # at the peak, but its cosine would span 9).
+  assert float(sched(5)) == pytest.approx(1.0, rel=1e-6)
+  assert float(sched(jnp.int32(5))) == pytest.approx(1.0, rel=1e-6)
+  assert float(sched(10)) == 0.0 and float(sched(jnp.int32(25))) == 0.0
+
+
+def test_a_zero_peak_is_a_valid_all_zero_schedule():
+  sched = optax_hybrid.warmup_cosine_schedule(0.0, total_steps=10, warmup_steps=2)
+  assert [float(sched(k)) for k in (0, 1, 5, 10, 20)] == [0.0] * 5

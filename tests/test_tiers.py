@@ -265,3 +265,43 @@ def test_host_tier_uses_the_native_kernel_inside_host_compute_on_a_cpu():
   for k in params:
     np.testing.assert_allclose(np.asarray(got[k]), np.asarray(want[k]), rtol=2e-6, atol=1e-7)
     assert got_state.mu[k].sharding.memory_kind == "pinned_host"
+
+
+# --- tests added for surviving mutants of tiers.py (benchmarks/mutation.py) -------
+
+def test_pick_by_fraction_takes_a_leaf_exactly_half_inside_and_never_an_empty_one():
+  # 10 + 30/2 = 25 is exactly 25% of 100: "at least half of it fits" takes it.
+  assert tiers.pick_by_fraction([10, 30, 60], 0.25, [True] * 3) == [True, True, False]
+  # A zero-size leaf has nothing to move, whatever the fraction.
+  assert tiers.pick_by_fraction([0, 10, 0], 1.0, [True] * 3) == [False, True, False]
+
+
+@needs_host
+def test_fractions_zero_and_one_are_valid_and_mean_none_and_all():
+  params = make_params()
+  for name in ("offload_fraction", "nvme_offload_fraction"):
+    none = optax_hybrid.hybrid_adamw(1e-3, **{name: 0.0}).init(params)
+    assert none.plan.tiers == ("device",) * 5
+    every = optax_hybrid.hybrid_adamw(1e-3, **{name: 1.0})
+    tier = "host" if name == "offload_fraction" else "disk"
+    # The scalar "s" is one element: half of it fits in any fraction at the end.
+    assert every.init(params).plan.tiers == (tier,) * 5
+    every.close()
+
+
+def test_master_needed_only_for_lower_precision_floats_and_only_with_a_master_dtype():
+  assert tiers.master_needed(jnp.bfloat16, None) is False
+  assert tiers.master_needed(jnp.float32, None) is False
+  assert tiers.master_needed(jnp.bfloat16, jnp.float32)
+  assert not tiers.master_needed(jnp.float32, jnp.float32)
+  assert not tiers.master_needed(jnp.int8, jnp.float32)
+
+
+def test_the_plan_is_immutable_hashable_static_data():
+  import dataclasses
+  state = optax_hybrid.hybrid_adamw(1e-3, offload_fraction=0.5).init(make_params())
+  plan = state.plan
+  assert hash(plan) == hash(tiers.Plan(plan.tiers, plan.param_shardings, plan.state_shardings))
+  with pytest.raises(dataclasses.FrozenInstanceError):
+    plan.tiers = ("device",) * len(plan.tiers)
+  assert jax.tree.leaves(plan) == []  # static: no arrays in the tree
