@@ -62,8 +62,8 @@ BUGS = {
         ["tests/test_kernels.py"]),
     "offload_fraction_moments_on_device": (
         "offload_fraction leaves on the host tier with their moments in device memory", "optax_hybrid/tiers.py",
-        [("names[i], kinds[i] = tier, _STATE_KIND[tier]",
-          "names[i], kinds[i] = tier, (_STATE_KIND[tier] if tier == DISK_TIER else kinds[i])")],
+        [("names[i], kinds[i] = tier, STATE_KIND[tier]",
+          "names[i], kinds[i] = tier, (STATE_KIND[tier] if tier == DISK_TIER else kinds[i])")],
         TIER_TESTS),
     "host_state_moments_on_device": (
         "host_state moments in device memory", "optax_hybrid/tiers.py",

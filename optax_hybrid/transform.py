@@ -136,6 +136,9 @@ def _hybrid_adam(options: Options) -> HybridAdamW:
           f"optimizer's init, got {type(state).__name__}."
       )
     plan = state.plan
+    if plan is None:
+      raise TypeError("hybrid_adamw: the state has no placement plan (plan=None); make the state with "
+                      "this optimizer's init.")
     treedef, leaves = pipeline.gather(grads, state, params, plan, write_params=write_params,
                                       disk_closed=bool(disk_store) and disk_store[0].closed)
     leaves, on_disk = pipeline.load_disk_moments(leaves, plan, after=state.count)

@@ -128,6 +128,7 @@ TRIGGERS = {
     "complex-mu-dtype": lambda: hybrid(mu_dtype=jnp.float32).init({"z": jnp.ones(3, jnp.complex64)}),
     "complex-nu-dtype": lambda: hybrid(nu_dtype=jnp.complex64).init({"z": jnp.ones(3, jnp.complex64)}),
     "state-type": lambda: hybrid().update(GRADS, optax.adamw(1e-3).init(PARAMS), PARAMS),
+    "state-no-plan": lambda: hybrid().update(GRADS, hybrid().init(PARAMS)._replace(plan=None), PARAMS),
     "grad-tree": lambda: update_with(hybrid(), grads={"w": GRADS["w"]}),
     "grad-shape": lambda: update_with(hybrid(), grads={**GRADS, "w": jnp.ones((7, 5))}),
     "grad-dtype": lambda: update_with(hybrid(), grads={**GRADS, "w": jnp.ones((5, 7), jnp.int32)}),

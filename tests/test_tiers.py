@@ -301,7 +301,11 @@ def test_the_plan_is_immutable_hashable_static_data():
   import dataclasses
   state = optax_hybrid.hybrid_adamw(1e-3, offload_fraction=0.5).init(make_params())
   plan = state.plan
-  assert hash(plan) == hash(tiers.Plan(plan.tiers, plan.param_shardings, plan.state_shardings))
+  copy = optax_hybrid.plan.Plan(tuple(dataclasses.replace(leaf) for leaf in plan.leaves), plan.kernel, plan.split,
+                                plan.mesh)
+  assert hash(plan) == hash(copy) and plan == copy and plan is not copy
   with pytest.raises(dataclasses.FrozenInstanceError):
-    plan.tiers = ("device",) * len(plan.tiers)
+    plan.leaves = ()
+  with pytest.raises(dataclasses.FrozenInstanceError):
+    plan.leaves[0].tier = "device"
   assert jax.tree.leaves(plan) == []  # static: no arrays in the tree
