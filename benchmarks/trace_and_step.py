@@ -35,10 +35,12 @@ def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--scale", type=float, default=0.25)
   parser.add_argument("--reps", type=int, default=5)
+  parser.add_argument("--setups", default=",".join(SETUPS), help="comma-separated subset of: " + ", ".join(SETUPS))
   args = parser.parse_args(argv)
   shapes = gpt2_small_shapes(args.scale)
   device = jax.devices()[0]
-  for name, kwargs in SETUPS.items():
+  for name in args.setups.split(","):
+    kwargs = SETUPS[name]
     params = jax.device_put({k: jnp.full(s, 0.5, jnp.bfloat16) for k, s in shapes.items()}, device)
     grads = jax.device_put({k: jnp.full(s, 1e-3, jnp.bfloat16) for k, s in shapes.items()}, device)
     tx = optax_hybrid.hybrid_adamw(1e-3, weight_decay=0.1, mu_dtype=jnp.float32, nu_dtype=jnp.float32,
