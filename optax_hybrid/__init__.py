@@ -20,7 +20,11 @@ Public API:
   accumulation and parameter groups in one call; :func:`last_learning_rate`
   reads the rate of the latest update from its state.
 * :mod:`optax_hybrid.tiers` and :mod:`optax_hybrid.disk`: placement tiers and
-  the disk tier.
+  the disk tier; :mod:`optax_hybrid.plan`: every per-leaf decision ``init``
+  makes (``state.plan``).
+* :mod:`optax_hybrid.gpu_compile`: compile a step for an H100/H200 without a
+  GPU and read what XLA planned (``import optax_hybrid.gpu_compile``; needs the
+  ``gpu-compile`` extra).
 """
 
 from optax_hybrid import checkpoint, disk, plan, recipe, report, tiers
@@ -47,6 +51,7 @@ __all__ = [
     "disk",
     "last_learning_rate",
     "memory_report",
+    "plan",
     "recipe",
     "report",
     "standard_optimizer",

@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from optax_hybrid import _compat, placement, tiers as tiers_lib
+from optax_hybrid import placement, tiers as tiers_lib
 from optax_hybrid.options import Options, is_inexact
 
 # The state bytes a stage of streamed leaves gathers before the next stage

@@ -21,7 +21,7 @@ import numpy as np
 import optax
 
 from optax_hybrid import _checks, _compat, placement
-from optax_hybrid.paths import path_name, path_names  # path_name is documented here too
+from optax_hybrid.paths import path_name  # documented here too: param_groups match its paths
 from optax_hybrid.schedules import warmup_cosine_schedule
 from optax_hybrid.transform import HybridAdamState, hybrid_adamw
 

@@ -27,7 +27,7 @@ same kernel runs in Pallas interpret mode, chosen at lowering time by
 from __future__ import annotations
 
 import functools
-from typing import Any, Sequence
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp
