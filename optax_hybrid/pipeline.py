@@ -166,7 +166,9 @@ def run_groups(leaves: list[LeafIn], plan: Plan, s: AdamScalars, *, adamw_mode: 
 
   Groups run in the order of their first leaf. A streamed group's transfers
   wait for the results of the group :data:`STREAM_LAG` stages before it in
-  the same place (2 on the device, 1 on the host), which bounds what is staged (:mod:`optax_hybrid.plan`).
+  the same place (2 on the device, 1 on the host), which bounds what is
+  staged (:mod:`optax_hybrid.plan`). For the Optax contract, a mastered
+  leaf's update is then ``new_param - param`` (:func:`_master_updates`).
   The groups share nothing but the step's scalars, so XLA may run the host's
   and the device's at the same time.
   """
@@ -235,8 +237,8 @@ def _run_group(plans: Sequence[LeafPlan], leaves: Sequence[LeafIn], plan: Plan, 
   def back(x, like):
     return None if x is None else _compat.move(x, _compat.memory_space_of(like))
 
-  return [LeafOut(_compat.move(first, space_of_kind(lp.param_kind)) if lp.param_kind else first,
-                  back(mu, leaf.mu), back(nu, leaf.nu), back(master, leaf.master))
+  return [LeafOut(_compat.move(first, space_of_kind(lp.param_kind)), back(mu, leaf.mu), back(nu, leaf.nu),
+                  back(master, leaf.master))
           for lp, leaf, (first, mu, nu, master) in zip(plans, leaves, results)]
 
 
