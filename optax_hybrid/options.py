@@ -30,28 +30,31 @@ class Options:
   """What :func:`optax_hybrid.hybrid_adamw` was asked for, checked.
 
   Hyperparameters (``learning_rate`` to ``weight_decay``) may be traced
-  values; everything else is static. See ``hybrid_adamw`` for each field.
+  values; everything else is static. See ``hybrid_adamw`` for each field and
+  its default (written there once).
   """
 
   learning_rate: Any
-  b1: Any = 0.9
-  b2: Any = 0.999
-  eps: Any = 1e-8
-  weight_decay: Any = 0.0
-  bias_correction: bool = True
-  adamw_mode: bool = True
-  mask: MaskOrFn = None
-  mu_dtype: Any = None
-  nu_dtype: Any = None
-  state_memory_kind: placement.MemoryKindSpec = None
-  kernel: str = "auto"
-  skip_nonfinite: bool = False
-  tiers: tiers_lib.TierSpec = None
-  offload_fraction: float | None = None
+  b1: Any
+  b2: Any
+  eps: Any
+  weight_decay: Any
+  bias_correction: bool
+  adamw_mode: bool
+  mask: MaskOrFn
+  mu_dtype: Any
+  nu_dtype: Any
+  state_memory_kind: placement.MemoryKindSpec
+  kernel: str
+  skip_nonfinite: bool
+  tiers: tiers_lib.TierSpec
+  offload_fraction: float | None
+  nvme_offload_fraction: float | None
+  nvme_offload_dir: Any
+  shard_state_over: str | None
+  # Not an argument of scale_by_hybrid_adam: master weights need the learning
+  # rate inside the step.
   master_dtype: Any = None
-  nvme_offload_fraction: float | None = None
-  nvme_offload_dir: Any = None
-  shard_state_over: str | None = None
 
   @property
   def decay_is_static_zero(self) -> bool:
