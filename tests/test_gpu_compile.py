@@ -170,7 +170,7 @@ ABSTRACT_PAIRS = [(t, i) for t in TIERS if t != "disk" for i, c in enumerate(scr
 @pytest.mark.parametrize("tier,index", ABSTRACT_PAIRS,
                          ids=[combo_id(script.combinations(t, 1)[i]).replace("-real", "") for t, i in ABSTRACT_PAIRS])
 def test_abstract_inputs_compile_the_same_program_as_real_ones(tier, index):
-  results = compile_tier(tier)
+  results = compile_tier(tier, 1)
   real, abstract = results[index], results[index + 1]
   assert abstract["combo"]["inputs"] == "abstract"
   assert real["ok"] and abstract["ok"], (real.get("error"), abstract.get("error"))
@@ -184,7 +184,7 @@ def test_abstract_inputs_compile_the_same_program_as_real_ones(tier, index):
 
 def test_h100_and_h200_compile_the_same_step():
   # The same sm_90 chip: the programs agree, only the memory size differs.
-  for r in compile_tier("device").values():
+  for r in compile_tier("device", 1).values():
     if "h200" in r.get("reports", {}):
       h100, h200 = r["reports"]["h100"], r["reports"]["h200"]
       assert {k: h100[k] for k in ("device_argument_bytes", "device_temp_bytes", "kernels")} == {
