@@ -109,10 +109,6 @@ def move(x: Any, space: Any) -> Any:
   return jax.device_put(x, space)
 
 
-def move_all(xs: Sequence[Any], space: Any) -> list[Any]:
-  return [move(x, space) for x in xs]
-
-
 # The platforms a step is declared to be lowered for (kernels.contract.lowering_for).
 # A JAX config state with include_in_trace_context: jit's trace cache is keyed
 # on it, so a step traced for CUDA is never reused for a CPU call or the

@@ -44,10 +44,6 @@ class LeafOut(NamedTuple):
   master: Any = None
 
 
-def space_of_kind(kind: str) -> Any:
-  return HOST if kind == placement.HOST_KIND else DEVICE
-
-
 def gather(grads: Any, state: Any, params: Any, plan: Plan, *, write_params: bool, disk_closed: bool
            ) -> tuple[Any, list[LeafIn]]:
   """Checks the step's inputs against the state and returns ``(treedef, one LeafIn per leaf)``.
@@ -123,7 +119,11 @@ def gather(grads: Any, state: Any, params: Any, plan: Plan, *, write_params: boo
           "hybrid_adamw: with master weights, `params` is required: call tx.update(grads, state, "
           "params) (the update is new_param - param).")
 
-  typed = lambda x, kind: x if x is None or isinstance(x, disk.DiskMoment) else _compat.move(x, space_of_kind(kind))
+  def typed(x, kind):
+    if x is None or isinstance(x, disk.DiskMoment):
+      return x
+    return _compat.move(x, placement.space_of_kind(kind))
+
   return treedef, [
       LeafIn(grad=g, mu=typed(m, leaf.state_kind), nu=typed(v, leaf.state_kind),
              param=typed(p, leaf.param_kind), master=typed(w, leaf.state_kind))
@@ -237,8 +237,8 @@ def _run_group(plans: Sequence[LeafPlan], leaves: Sequence[LeafIn], plan: Plan, 
   def back(x, like):
     return None if x is None else _compat.move(x, _compat.memory_space_of(like))
 
-  return [LeafOut(_compat.move(first, space_of_kind(lp.param_kind)), back(mu, leaf.mu), back(nu, leaf.nu),
-                  back(master, leaf.master))
+  return [LeafOut(_compat.move(first, placement.space_of_kind(lp.param_kind)), back(mu, leaf.mu),
+                  back(nu, leaf.nu), back(master, leaf.master))
           for lp, leaf, (first, mu, nu, master) in zip(plans, leaves, results)]
 
 

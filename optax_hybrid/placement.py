@@ -88,6 +88,11 @@ def check_memory_kind_spec(spec: MemoryKindSpec) -> MemoryKindSpec:
   return check_memory_kind(spec)
 
 
+def space_of_kind(kind: str) -> Any:
+  """The memory space (``DEVICE`` or ``HOST``) that values in memory ``kind`` are typed with under ``jit``."""
+  return _SPACE_OF_KIND[kind]
+
+
 def memory_kind_of(x: Any) -> str:
   """``"device"`` or ``"pinned_host"``: the memory an array or tracer lives in."""
   return _KIND_OF_SPACE[_compat.memory_space_of(x)]
@@ -176,7 +181,7 @@ def zeros_placed(param: Any, dtype: Any, kind: str) -> Any:
       sharding = SingleDeviceSharding(jax.devices()[0], memory_kind=kind)
     return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
   if _compat.is_tracer(param):
-    return _compat.move(jnp.zeros(shape, dtype), _SPACE_OF_KIND[kind])
+    return _compat.move(jnp.zeros(shape, dtype), space_of_kind(kind))
   sharding = getattr(param, "sharding", None)
   committed = getattr(param, "committed", False)  # NumPy arrays are not committed
   if kind == DEVICE_KIND and not committed:
@@ -198,7 +203,7 @@ def copy_placed(param: Any, dtype: Any, kind: str) -> Any:
   if isinstance(param, jax.ShapeDtypeStruct):
     return zeros_placed(param, dtype, kind)
   if _compat.is_tracer(param):
-    return _compat.move(param.astype(dtype), _SPACE_OF_KIND[kind])
+    return _compat.move(param.astype(dtype), space_of_kind(kind))
   sharding = getattr(param, "sharding", None)
   if sharding is None:
     sharding = SingleDeviceSharding(jax.devices()[0])

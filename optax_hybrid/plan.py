@@ -153,10 +153,6 @@ class Plan:
     """Each leaf's tier."""
     return tuple(leaf.tier for leaf in self.leaves)
 
-  def on_host(self) -> list[bool]:
-    """Per leaf: is the update computed on the host?"""
-    return [leaf.runs_on == "host" for leaf in self.leaves]
-
 
 def make_plan(params: Any, options: Options) -> Plan:
   """Decides, once, everything about each leaf (see :class:`LeafPlan`).
