@@ -29,8 +29,10 @@ native_kernel = Extension(
     "optax_hybrid.kernels._native_cpu",
     sources=["optax_hybrid/kernels/native_cpu.cc"],
     language="c++",
-    # Built where it runs, so it may use every vector unit of this CPU.
-    extra_compile_args=["-O3", "-march=native", "-std=c++17", "-fno-math-errno", "-w"],
+    # No -march: the library runs on any CPU of the architecture, and the kernel
+    # picks its instruction set when it loads (AVX-512, AVX2 or the baseline on
+    # x86-64: a copy of the work loop compiled for each, see native_cpu.cc).
+    extra_compile_args=["-O3", "-std=c++17", "-fno-math-errno", "-w"],
     optional=True,
 )
 

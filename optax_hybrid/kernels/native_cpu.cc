@@ -7,6 +7,11 @@
 // dtype; bfloat16 and float16 leaves with float32 or same-dtype moments. Work is
 // split into chunks spread over XLA's intra-op thread pool.
 //
+// Each chunk runs through one function, compiled once per instruction set
+// (AVX-512, AVX2, baseline) from one body; the library picks one when it loads
+// (see "Instruction sets" below), so the same binary runs on any CPU of its
+// architecture and uses the widest vectors the CPU has.
+//
 // The rule is the one in reference.py, which the tests compare this against.
 
 #include <algorithm>
@@ -14,6 +19,8 @@
 #include <cmath>
 #include <condition_variable>
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <mutex>
@@ -21,9 +28,19 @@
 
 #include "xla/ffi/api/ffi.h"
 
+#if defined(__x86_64__) || defined(__i386__)
+#include <cpuid.h>
+#endif
+
 namespace ffi = xla::ffi;
 
 namespace {
+
+// Everything the per-chunk body calls is force-inlined into it, so that each
+// instruction-set copy of the body (below) compiles all of its loops for that
+// instruction set: a function left out of line would be compiled once, for the
+// baseline, and called from every copy.
+#define OPTAX_HYBRID_BODY inline __attribute__((always_inline))
 
 // ---------------------------------------------------------------------------
 // Storage types and their conversions to and from float.
@@ -31,25 +48,32 @@ namespace {
 struct BF16 {
   uint16_t bits;
 };
+// IEEE half precision: _Float16; __fp16 on Arm, where GCC's C++ has no
+// _Float16 before GCC 13 (both convert to and from float as IEEE says).
+#if defined(__aarch64__) || defined(__arm__)
+using Half = __fp16;
+#else
+using Half = _Float16;
+#endif
 struct F16 {
-  _Float16 value;
+  Half value;
 };
 
-inline float to_f32(float x) { return x; }
-inline float to_f32(BF16 x) {
+OPTAX_HYBRID_BODY float to_f32(float x) { return x; }
+OPTAX_HYBRID_BODY float to_f32(BF16 x) {
   uint32_t u = static_cast<uint32_t>(x.bits) << 16;
   float f;
   std::memcpy(&f, &u, sizeof f);
   return f;
 }
-inline float to_f32(F16 x) { return static_cast<float>(x.value); }
+OPTAX_HYBRID_BODY float to_f32(F16 x) { return static_cast<float>(x.value); }
 
 template <typename T>
-inline T from_f32(float f);
+OPTAX_HYBRID_BODY T from_f32(float f);
 template <>
-inline float from_f32<float>(float f) { return f; }
+OPTAX_HYBRID_BODY float from_f32<float>(float f) { return f; }
 template <>
-inline BF16 from_f32<BF16>(float f) {
+OPTAX_HYBRID_BODY BF16 from_f32<BF16>(float f) {
   uint32_t u;
   std::memcpy(&u, &f, sizeof u);
   if ((u & 0x7fffffffu) > 0x7f800000u) return BF16{static_cast<uint16_t>((u >> 16) | 0x40u)};  // quiet NaN
@@ -57,7 +81,7 @@ inline BF16 from_f32<BF16>(float f) {
   return BF16{static_cast<uint16_t>(u >> 16)};
 }
 template <>
-inline F16 from_f32<F16>(float f) { return F16{static_cast<_Float16>(f)}; }
+OPTAX_HYBRID_BODY F16 from_f32<F16>(float f) { return F16{static_cast<Half>(f)}; }
 
 struct Scalars {
   float lr, b1, b2, eps, wd, bc1, bc2_sqrt;
@@ -69,7 +93,7 @@ struct Scalars {
 // U: storage of the first output (update, or new param when kWriteParams).
 
 template <typename T, typename S, typename U, bool kDecoupled, bool kL2, bool kWriteParams>
-void step_range(const T* __restrict g, S* __restrict m, S* __restrict v, const T* __restrict p,
+OPTAX_HYBRID_BODY void step_range(const T* __restrict g, S* __restrict m, S* __restrict v, const T* __restrict p,
                 U* __restrict out, int64_t begin, int64_t end, const Scalars& s) {
   const float b1 = s.b1, one_minus_b1 = 1.0f - s.b1;
   const float b2 = s.b2, one_minus_b2 = 1.0f - s.b2;
@@ -101,7 +125,7 @@ void step_range(const T* __restrict g, S* __restrict m, S* __restrict v, const T
 // A skipped step (non-finite gradients): moments stay, the update is zero and
 // the param is rewritten unchanged.
 template <typename T, typename U, bool kWriteParams>
-void skip_range(const T* __restrict p, U* __restrict out, int64_t begin, int64_t end) {
+OPTAX_HYBRID_BODY void skip_range(const T* __restrict p, U* __restrict out, int64_t begin, int64_t end) {
   for (int64_t i = begin; i < end; ++i) {
     if constexpr (kWriteParams) {
       out[i] = from_f32<U>(to_f32(p[i]));
@@ -138,7 +162,7 @@ struct Leaf {
 };
 
 template <typename T, typename S, typename U, bool kWriteParams>
-void run_leaf_typed(const Leaf& leaf, int64_t begin, int64_t end, const Scalars& s, bool adamw) {
+OPTAX_HYBRID_BODY void run_leaf_typed(const Leaf& leaf, int64_t begin, int64_t end, const Scalars& s, bool adamw) {
   auto* g = static_cast<const T*>(leaf.g);
   auto* m = static_cast<S*>(leaf.m);
   auto* v = static_cast<S*>(leaf.v);
@@ -155,10 +179,13 @@ void run_leaf_typed(const Leaf& leaf, int64_t begin, int64_t end, const Scalars&
   }
 }
 
+// The per-chunk body: one range of one leaf, any supported dtype combination
+// and rule. Every loop of the kernel lives below this function, so that each
+// instruction-set copy (run_chunk_*) gets all of them.
 // Supported combinations: T in {f32, bf16, f16}; S == f32 or S == T; U == f32 if
 // S == f32 else T (the dtype optax returns); U == T when writing params.
 template <bool kWriteParams>
-bool run_leaf(const Leaf& leaf, int64_t begin, int64_t end, const Scalars& s, bool adamw) {
+OPTAX_HYBRID_BODY bool run_leaf(const Leaf& leaf, int64_t begin, int64_t end, const Scalars& s, bool adamw) {
 #define OPTAX_HYBRID_CASE(KT, KS, KU, T, S, U)                                  \
   if (leaf.t == KT && leaf.s == KS && leaf.u == KU) {                          \
     run_leaf_typed<T, S, U, kWriteParams>(leaf, begin, end, s, adamw);         \
@@ -182,6 +209,110 @@ bool run_leaf(const Leaf& leaf, int64_t begin, int64_t end, const Scalars& s, bo
 }
 
 // ---------------------------------------------------------------------------
+// Instruction sets. The chunk body is compiled once per instruction set, each
+// copy a function with its own `target` attribute, and one copy is chosen when
+// the library loads: the widest this CPU runs, or the one named by the
+// environment variable OPTAX_HYBRID_NATIVE_ISA (auto, avx512, avx2, baseline).
+// The rest of the library is built for the architecture's baseline (setup.py
+// passes no -march), so a wheel built on one machine runs on any other.
+
+using ChunkFn = bool (*)(const Leaf& leaf, int64_t begin, int64_t end, const Scalars& s, bool adamw,
+                         bool write_params);
+
+#define OPTAX_HYBRID_CHUNK_FOR_ISA(NAME, TARGET_ATTRIBUTE)                                          \
+  TARGET_ATTRIBUTE bool NAME(const Leaf& leaf, int64_t begin, int64_t end, const Scalars& s, bool adamw, \
+                             bool write_params) {                                                  \
+    return write_params ? run_leaf<true>(leaf, begin, end, s, adamw)                               \
+                        : run_leaf<false>(leaf, begin, end, s, adamw);                             \
+  }
+
+OPTAX_HYBRID_CHUNK_FOR_ISA(run_chunk_baseline, )
+
+struct IsaVariant {
+  const char* name;
+  ChunkFn run_chunk;
+  bool (*cpu_runs_it)();
+};
+
+#if defined(__x86_64__) || defined(__i386__)
+// F16C (float16 conversions) and FMA come with every AVX2 and AVX-512 CPU;
+// they are listed so that the compiler may use them.
+OPTAX_HYBRID_CHUNK_FOR_ISA(run_chunk_avx2, __attribute__((target("avx2,fma,f16c"))))
+OPTAX_HYBRID_CHUNK_FOR_ISA(run_chunk_avx512,
+                           __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c"))))
+
+// CPUID leaf 1 directly: __builtin_cpu_supports("f16c") is not in every compiler (Clang 14 lacks it).
+bool cpu_has_f16c() {
+  unsigned eax, ebx, ecx, edx;
+  return __get_cpuid(1, &eax, &ebx, &ecx, &edx) && (ecx & bit_F16C) != 0;
+}
+bool cpu_runs_avx2() {
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && cpu_has_f16c();
+}
+bool cpu_runs_avx512() {
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") && cpu_runs_avx2();
+}
+#endif
+bool cpu_runs_baseline() { return true; }
+
+// Widest first: "auto" takes the first one the CPU runs.
+constexpr IsaVariant kIsaVariants[] = {
+#if defined(__x86_64__) || defined(__i386__)
+    {"avx512", run_chunk_avx512, cpu_runs_avx512},
+    {"avx2", run_chunk_avx2, cpu_runs_avx2},
+#endif
+    {"baseline", run_chunk_baseline, cpu_runs_baseline},
+};
+
+constexpr char kIsaVariable[] = "OPTAX_HYBRID_NATIVE_ISA";
+
+struct IsaChoice {
+  const IsaVariant* variant = nullptr;  // nullptr: the variable names no variant this CPU runs
+  char cpu_runs[64] = "";               // the variants this CPU runs, widest first, space-separated
+  char problem[512] = "";
+};
+
+IsaChoice choose_isa() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_cpu_init();  // this may run before libgcc's own initializer
+#endif
+  IsaChoice choice;
+  char names[64] = "";  // every variant of this build, for the message
+  for (const IsaVariant& v : kIsaVariants) {
+    std::snprintf(names + std::strlen(names), sizeof names - std::strlen(names), "%s%s", *names ? ", " : "",
+                  v.name);
+    if (v.cpu_runs_it()) {
+      std::snprintf(choice.cpu_runs + std::strlen(choice.cpu_runs),
+                    sizeof choice.cpu_runs - std::strlen(choice.cpu_runs), "%s%s", *choice.cpu_runs ? " " : "",
+                    v.name);
+    }
+  }
+  const char* requested = std::getenv(kIsaVariable);
+  const bool automatic = requested == nullptr || *requested == '\0' || std::strcmp(requested, "auto") == 0;
+  for (const IsaVariant& v : kIsaVariants) {
+    if (automatic ? v.cpu_runs_it() : std::strcmp(requested, v.name) == 0) {
+      if (v.cpu_runs_it()) {
+        choice.variant = &v;
+      } else {
+        std::snprintf(choice.problem, sizeof choice.problem,
+                      "%s=%s, but this CPU cannot run that instruction set (it runs: %s); unset %s or set it "
+                      "to auto or to one of those",
+                      kIsaVariable, requested, choice.cpu_runs, kIsaVariable);
+      }
+      return choice;
+    }
+  }
+  std::snprintf(choice.problem, sizeof choice.problem,
+                "%s=%s is not an instruction set of this build; accepted values: auto, %s", kIsaVariable,
+                requested, names);
+  return choice;
+}
+
+// Chosen once, when the library is loaded.
+const IsaChoice kIsa = choose_isa();
+
+// ---------------------------------------------------------------------------
 // Work sharing: chunks claimed from an atomic counter by the calling thread and
 // by helper tasks on XLA's pool. The caller returns only once every chunk is
 // done; helpers that start late find no chunk left and touch only `Shared`.
@@ -202,13 +333,13 @@ struct Shared {
   std::condition_variable cv;
 };
 
-template <bool kWriteParams>
-void work(Shared& sh, const std::vector<Leaf>& leaves, const Scalars& s, bool adamw) {
+void work(Shared& sh, const std::vector<Leaf>& leaves, const Scalars& s, bool adamw, bool write_params,
+          ChunkFn run_chunk) {
   const int64_t total = static_cast<int64_t>(sh.chunks.size());
   int64_t finished = 0;
   for (int64_t i = sh.next.fetch_add(1); i < total; i = sh.next.fetch_add(1)) {
     const Chunk& c = sh.chunks[i];
-    if (!run_leaf<kWriteParams>(leaves[c.leaf], c.begin, c.end, s, adamw)) sh.failed = true;
+    if (!run_chunk(leaves[c.leaf], c.begin, c.end, s, adamw, write_params)) sh.failed = true;
     ++finished;
   }
   if (finished > 0 && sh.done.fetch_add(finished) + finished == total) {
@@ -220,6 +351,7 @@ void work(Shared& sh, const std::vector<Leaf>& leaves, const Scalars& s, bool ad
 ffi::Error AdamWImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> scalars, ffi::RemainingArgs args,
                      ffi::RemainingRets rets, int32_t adamw_mode, int32_t write_params,
                      ffi::Span<const int32_t> decay, ffi::Span<const int32_t> has_param) {
+  if (kIsa.variant == nullptr) return ffi::Error::InvalidArgument(kIsa.problem);
   const size_t n_leaves = decay.size();
   if (has_param.size() != n_leaves || rets.size() != 3 * n_leaves) {
     return ffi::Error::InvalidArgument("optax_hybrid adamw: inconsistent leaf counts");
@@ -280,12 +412,9 @@ ffi::Error AdamWImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> scalars, ffi::R
   const int64_t total = static_cast<int64_t>(sh->chunks.size());
   if (total == 0) return ffi::Error::Success();
 
-  auto run = [&leaves, &s, adamw = adamw_mode != 0, write = write_params != 0](Shared& shared) {
-    if (write) {
-      work<true>(shared, leaves, s, adamw);
-    } else {
-      work<false>(shared, leaves, s, adamw);
-    }
+  auto run = [&leaves, &s, adamw = adamw_mode != 0, write = write_params != 0,
+              run_chunk = kIsa.variant->run_chunk](Shared& shared) {
+    work(shared, leaves, s, adamw, write, run_chunk);
   };
   const int64_t helpers = std::min<int64_t>(pool.num_threads(), total - 1);
   // Helpers hold `sh` alive; they may outlive this call but then find no chunk.
@@ -317,3 +446,17 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(OptaxHybridAdamWCpu, AdamWImpl,
                                   .Attr<int32_t>("write_params")
                                   .Attr<ffi::Span<const int32_t>>("decay")
                                   .Attr<ffi::Span<const int32_t>>("has_param"));
+
+// Which instruction set the kernel runs, for optax_hybrid.kernels.native_cpu
+// (through ctypes): its name, or nullptr when OPTAX_HYBRID_NATIVE_ISA asks for
+// one this build or CPU does not have (then OptaxHybridIsaProblem says why).
+extern "C" __attribute__((visibility("default"))) const char* OptaxHybridIsa() {
+  return kIsa.variant == nullptr ? nullptr : kIsa.variant->name;
+}
+extern "C" __attribute__((visibility("default"))) const char* OptaxHybridIsaProblem() {
+  return kIsa.variant == nullptr ? kIsa.problem : nullptr;
+}
+// The instruction sets of this build that this CPU runs, widest first, space-separated.
+extern "C" __attribute__((visibility("default"))) const char* OptaxHybridIsasThisCpuRuns() {
+  return kIsa.cpu_runs;
+}

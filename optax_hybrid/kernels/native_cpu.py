@@ -5,6 +5,15 @@ never at first use. If it could not be built, :func:`available` is False,
 :func:`why_unavailable` says why, and ``kernel="auto"`` falls back to the XLA
 path with a one-line warning.
 
+The library is built without ``-march``, so one wheel runs on any CPU of its
+architecture; its work loop is compiled once per instruction set (``avx512``,
+``avx2`` and ``baseline`` on x86-64, ``baseline`` elsewhere), and the library
+picks the widest one the CPU runs when it loads. :func:`isa` says which. The
+environment variable ``OPTAX_HYBRID_NATIVE_ISA`` (``auto``, or one of those
+names), read when the library loads, forces one; a name the build does not
+have, or one the CPU cannot run, leaves the kernel unavailable and
+:func:`why_unavailable` names the variable and the accepted values.
+
 One custom call updates every supported leaf of a group (any number of leaves,
 each in its own buffer: nothing is concatenated), with the moments aliased in
 place. Leaves it cannot take (complex, float64, mixed dtypes it has no loop for)
@@ -28,6 +37,7 @@ from optax_hybrid.kernels import contract, reference
 
 TARGET = "optax_hybrid_adamw_cpu"
 _SYMBOL = "OptaxHybridAdamWCpu"
+ISA_VARIABLE = "OPTAX_HYBRID_NATIVE_ISA"
 _LIBRARY_STEM = "_native_cpu"
 
 _state: dict[str, Any] = {"loaded": False, "error": None, "warned": False}
@@ -42,6 +52,13 @@ def _library_path() -> str | None:
   return None
 
 
+def _c_string_function(library: ctypes.CDLL, name: str):
+  function = getattr(library, name)
+  function.restype = ctypes.c_char_p
+  function.argtypes = []
+  return function
+
+
 def _load() -> bool:
   if _state["loaded"]:
     return True
@@ -54,10 +71,21 @@ def _load() -> bool:
   try:
     library = ctypes.CDLL(path)
     handler = getattr(library, _SYMBOL)
-    jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(handler), platform="cpu")
-  except (OSError, AttributeError, ValueError) as e:
+    isa_name, isa_problem, cpu_runs = (_c_string_function(library, name) for name in (
+        "OptaxHybridIsa", "OptaxHybridIsaProblem", "OptaxHybridIsasThisCpuRuns"))
+  except (OSError, AttributeError) as e:
     _state["error"] = f"loading {path} failed: {e}"
     return False
+  _state["isas_this_cpu_runs"] = tuple(cpu_runs().decode().split())
+  if isa_name() is None:  # OPTAX_HYBRID_NATIVE_ISA names an instruction set the library cannot run here
+    _state["error"] = isa_problem().decode()
+    return False
+  try:
+    jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(handler), platform="cpu")
+  except ValueError as e:
+    _state["error"] = f"registering {path} with XLA failed: {e}"
+    return False
+  _state["isa"] = isa_name().decode()
   _state["library"] = library  # keep the shared object loaded
   _state["loaded"] = True
   return True
@@ -71,6 +99,26 @@ def available() -> bool:
 def why_unavailable() -> str | None:
   """Why :func:`available` is False (None when it is True)."""
   return None if _load() else _state["error"]
+
+
+def isa() -> str | None:
+  """The instruction set the kernel's work loop runs: ``"avx512"``, ``"avx2"`` or ``"baseline"``.
+
+  Chosen when the library loads: the widest one this CPU runs, unless
+  ``OPTAX_HYBRID_NATIVE_ISA`` names one. None when the kernel is unavailable
+  (:func:`why_unavailable` says why).
+
+  Example::
+
+    native_cpu.isa()  # 'avx512' on a CPU with AVX-512
+  """
+  return _state["isa"] if _load() else None
+
+
+def isas_this_cpu_runs() -> tuple[str, ...]:
+  """The instruction sets the built library has for this CPU, widest first (empty when it did not load)."""
+  _load()
+  return _state.get("isas_this_cpu_runs", ())
 
 
 def warn_fallback_once() -> None:
