@@ -1,17 +1,28 @@
 """AdamW step time on this machine: our kernels against optax.adamw and torch's fused AdamW.
 
-    python benchmarks/step.py [--scale 1.0] [--reps 9] [--trees one,many,gpt2]
+    python benchmarks/step.py [--scale 1.0] [--reps 9] [--trees one,many,gpt2] [--dtype float32]
+                              [--compare-library LABEL=PATH ...]
 
 Trees: one leaf of 16M params; 1024 leaves of 16K; the GPT-2-small shapes
 (124M params, 148 leaves; --scale shrinks every dimension's product by that
 factor). Every variant is a donated, jitted training-loop step (update and
 apply), warmed up, then timed in interleaved rounds; medians are reported.
 
-Columns: median ms; params per second; GB/s counting the 28 bytes per param an
-fp32 AdamW step must move (read p, g, m, v; write p, m, v); that as a fraction
-of the memory bandwidth measured in the same run (a donated in-place scale of a
-256 MB buffer, counting its 8 bytes per element); and the ratio of optax's and
-torch's times to ours (> 1: we are faster). Figures, not a test.
+Columns: median ms; params per second; GB/s counting the bytes per param an
+AdamW step must move (read p, g, m, v; write p, m, v: 28 for fp32); that as a
+fraction of the memory bandwidth measured in the same run (a donated in-place
+scale of a 256 MB buffer, counting its 8 bytes per element); and the ratio of
+optax's and torch's times to ours (> 1: we are faster). Figures, not a test.
+
+--dtype bfloat16 / float16: params and gradients in that dtype, our moments in
+float32 (HybridAdam's mixed precision; optax.adamw gets mu_dtype=float32, its nu
+follows the params); torch is left out.
+
+--compare-library LABEL=PATH (repeatable): another build of native_cpu.cc (for
+example today's source built with -march=native, or an older commit's) timed
+in the same interleaved rounds as the installed one, as "ours native LABEL"
+rows. Each is registered with XLA under its own custom-call name, and each
+variant's lowered step is checked to call the build it is named after.
 """
 
 from __future__ import annotations
@@ -23,11 +34,14 @@ import os
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import argparse
+import ctypes
 import math
 import platform
+import re
 import statistics
 import sys
 import time
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -37,8 +51,13 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir))
 import optax_hybrid  # noqa: E402
 from optax_hybrid.kernels import native_cpu  # noqa: E402
 
-BYTES_PER_PARAM = 28
 LR, WD = 1e-3, 0.1
+MOMENT_BYTES = 4  # our moments are float32 whatever the param dtype
+
+
+def bytes_per_param(dtype) -> int:
+  """Read p, g, m, v and write p, m, v once: 28 for float32."""
+  return 3 * jnp.dtype(dtype).itemsize + 4 * MOMENT_BYTES
 
 
 def gpt2_small_shapes(scale: float) -> dict[str, tuple[int, ...]]:
@@ -68,14 +87,20 @@ def trees(names, scale):
 
 
 class JaxVariant:
+  """A jitted step, compiled ahead; ``custom_call``: the native build's target name its step must call."""
 
-  def __init__(self, name, shapes, make_step, make_state):
+  def __init__(self, name, shapes, dtype, make_step, make_state, custom_call=None):
     self.name = name
     device = jax.devices()[0]
-    self.params = jax.device_put({k: jnp.full(s, 0.5, jnp.float32) for k, s in shapes.items()}, device)
-    self.grads = jax.device_put({k: jnp.full(s, 1e-3, jnp.float32) for k, s in shapes.items()}, device)
+    self.params = jax.device_put({k: jnp.full(s, 0.5, dtype) for k, s in shapes.items()}, device)
+    self.grads = jax.device_put({k: jnp.full(s, 1e-3, dtype) for k, s in shapes.items()}, device)
     self.state = make_state(self.params)
-    self.step = make_step()
+    with mock.patch.object(native_cpu, "TARGET", custom_call or native_cpu.TARGET):
+      lowered = make_step().lower(self.params, self.state, self.grads)
+    called = set(re.findall(r"custom_call @(optax_hybrid_adamw_cpu\w*)\(", lowered.as_text()))
+    if called != ({custom_call} if custom_call else set()):
+      raise SystemExit(f"{name}: the lowered step calls {sorted(called)}, not {custom_call}")
+    self.step = lowered.compile()
 
   def run(self):
     self.params, self.state = self.step(self.params, self.state, self.grads)
@@ -109,23 +134,43 @@ def optax_contract_step(tx):
   return jax.jit(step, donate_argnums=(0, 1))
 
 
-def variants(shapes, have_torch):
-  kernels = ["xla"] + (["native"] if native_cpu.available() else [])
+def compared_library(spec: str) -> tuple[str, str]:
+  """Loads LABEL=PATH, another build of native_cpu.cc, under its own target name; returns (label, target)."""
+  label, sep, path = spec.partition("=")
+  if not sep or not label or not path:
+    raise SystemExit(f"--compare-library {spec!r}: expected LABEL=PATH")
+  library = ctypes.CDLL(os.path.abspath(path))
+  target = f"{native_cpu.TARGET}_{re.sub(r'[^A-Za-z0-9]', '_', label)}"
+  jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(library.OptaxHybridAdamWCpu), platform="cpu")
+  _compared_libraries.append(library)  # keep it loaded
+  return label, target
+
+
+_compared_libraries = []
+
+
+def variants(shapes, dtype, have_torch, compared):
+  """``compared``: (label, target) of other native builds, each timed in the tx.step variants."""
+  native = native_cpu.available()
+  builds = [("xla", "", None)] + ([("native", "", native_cpu.TARGET)] if native else [])
+  builds += [("native", f" {label}", target) for label, target in compared]
+  moments = {} if dtype == jnp.float32 else {"mu_dtype": jnp.float32, "nu_dtype": jnp.float32}
   out = []
-  tx = optax.adamw(LR, weight_decay=WD)
-  out.append(lambda: JaxVariant("optax.adamw", shapes, lambda: jax.jit(
+  tx = optax.adamw(LR, weight_decay=WD, **({} if dtype == jnp.float32 else {"mu_dtype": jnp.float32}))
+  out.append(lambda: JaxVariant("optax.adamw", shapes, dtype, lambda: jax.jit(
       lambda p, s, g: (lambda u, s: (optax.apply_updates(p, u), s))(*tx.update(g, s, p)), donate_argnums=(0, 1)),
       tx.init))
-  for kernel in kernels:
+  for kernel, label, target in builds:
     for memory in ("device", "pinned_host"):
-      ours = optax_hybrid.hybrid_adamw(LR, weight_decay=WD, kernel=kernel, state_memory_kind=memory)
-      out.append(lambda ours=ours, kernel=kernel, memory=memory: JaxVariant(
-          f"ours {kernel}, {memory} moments, tx.step", shapes,
-          lambda: jax.jit(ours.step, donate_argnums=(0, 1)), ours.init))
-    ours = optax_hybrid.hybrid_adamw(LR, weight_decay=WD, kernel=kernel)
-    out.append(lambda ours=ours, kernel=kernel: JaxVariant(
-        f"ours {kernel}, device moments, update+apply", shapes, lambda: optax_contract_step(ours), ours.init))
-  if have_torch:
+      ours = optax_hybrid.hybrid_adamw(LR, weight_decay=WD, kernel=kernel, state_memory_kind=memory, **moments)
+      out.append(lambda ours=ours, name=f"ours {kernel}{label}, {memory} moments, tx.step", target=target: JaxVariant(
+          name, shapes, dtype, lambda: jax.jit(ours.step, donate_argnums=(0, 1)), ours.init, target))
+    if not label:
+      ours = optax_hybrid.hybrid_adamw(LR, weight_decay=WD, kernel=kernel, **moments)
+      out.append(lambda ours=ours, kernel=kernel, target=target: JaxVariant(
+          f"ours {kernel}, device moments, update+apply", shapes, dtype, lambda: optax_contract_step(ours),
+          ours.init, target))
+  if have_torch and dtype == jnp.float32:
     out.append(lambda: TorchVariant(shapes))
   return out
 
@@ -150,7 +195,13 @@ def main(argv=None):
   parser.add_argument("--scale", type=float, default=1.0, help="shrink every tree by this factor")
   parser.add_argument("--reps", type=int, default=9, help="timed rounds (default 9)")
   parser.add_argument("--trees", default="one,many,gpt2", help="comma-separated subset of one,many,gpt2")
+  parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
+                      help="params and gradients (default float32); our moments are float32")
+  parser.add_argument("--compare-library", action="append", default=[], metavar="LABEL=PATH",
+                      help="another build of native_cpu.cc to time side by side (repeatable)")
   args = parser.parse_args(argv)
+  dtype = jnp.dtype(args.dtype)
+  compared = [compared_library(spec) for spec in args.compare_library]
   try:
     import torch
     torch_note = f"torch {torch.__version__} ({torch.get_num_threads()} threads)"
@@ -159,12 +210,15 @@ def main(argv=None):
     torch_note, have_torch = "torch not installed", False
   print(f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores; jax {jax.__version__}, "
         f"optax {optax.__version__}, {torch_note}; native kernel: "
-        f"{'built' if native_cpu.available() else native_cpu.why_unavailable()}")
+        f"{f'built, isa {native_cpu.isa()}' if native_cpu.available() else native_cpu.why_unavailable()}; "
+        f"{args.dtype} params")
+  for label, target in compared:
+    print(f"compared: ours native {label} ({target})")
   bandwidth = copy_bandwidth(args.reps)
   print(f"memory bandwidth (donated in-place scale, 8 B/element): {bandwidth:.1f} GB/s")
   for tree_name, shapes in trees(args.trees.split(","), args.scale).items():
     n_params = sum(math.prod(s) for s in shapes.values())
-    built = [make() for make in variants(shapes, have_torch)]
+    built = [make() for make in variants(shapes, dtype, have_torch and dtype == jnp.float32, compared)]
     for v in built:  # warm-up: compile and touch every buffer
       for _ in range(2):
         v.run()
@@ -177,15 +231,18 @@ def main(argv=None):
     for v in built:
       v.close()
     med = {k: statistics.median(t) for k, t in times.items()}
+    moved = bytes_per_param(dtype)
+    width = max(42, *map(len, med))
     print(f"\n{tree_name}: {n_params / 1e6:.1f}M params, {len(shapes)} leaves")
-    print(f"| {'variant':<42} | {'ms':>7} | {'Mparams/s':>9} | {'GB/s @28B':>9} | {'of bw':>5} | "
+    print(f"| {'variant':<{width}} | {'ms':>7} | {'Mparams/s':>9} | {f'GB/s @{moved}B':>9} | {'of bw':>5} | "
           f"{'optax/ours':>10} | {'torch/ours':>10} |")
-    print(f"|{'-' * 44}|{'-' * 9}|{'-' * 11}|{'-' * 11}|{'-' * 7}|{'-' * 12}|{'-' * 12}|")
+    print(f"|{'-' * (width + 2)}|{'-' * 9}|{'-' * 11}|{'-' * 11}|{'-' * 7}|{'-' * 12}|{'-' * 12}|")
+    torch_time = med.get("torch AdamW(fused=True)")
     for name, t in med.items():
-      gbs = n_params * BYTES_PER_PARAM / t / 1e9
+      gbs = n_params * moved / t / 1e9
       vs_optax = f"{med['optax.adamw'] / t:10.2f}"
-      vs_torch = f"{med['torch AdamW(fused=True)'] / t:10.2f}" if have_torch else f"{'-':>10}"
-      print(f"| {name:<42} | {t * 1e3:7.1f} | {n_params / t / 1e6:9.0f} | {gbs:9.1f} | {gbs / bandwidth:5.2f} | "
+      vs_torch = f"{torch_time / t:10.2f}" if torch_time else f"{'-':>10}"
+      print(f"| {name:<{width}} | {t * 1e3:7.1f} | {n_params / t / 1e6:9.0f} | {gbs:9.1f} | {gbs / bandwidth:5.2f} | "
             f"{vs_optax} | {vs_torch} |")
 
 

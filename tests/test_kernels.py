@@ -1,7 +1,13 @@
 """Tests for optax_hybrid.kernels: selection, the reference rule, and the native CPU kernel against it."""
 
+import importlib.machinery
 import itertools
+import json
+import os
+import platform
 import shutil
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -10,6 +16,7 @@ import pytest
 
 from optax_hybrid import kernels
 from optax_hybrid.kernels import native_cpu, pallas_gpu, reference
+from loading import ROOT
 from stepping import call_kernel, kernel_and_reference
 
 needs_native = pytest.mark.skipif(not native_cpu.available(), reason=f"native kernel: {native_cpu.why_unavailable()}")
@@ -163,6 +170,71 @@ def test_without_the_library_the_xla_path_is_used_with_one_warning(monkeypatch):
   with warnings.catch_warnings():
     warnings.simplefilter("error")  # only once
     assert kernels.kernels_for("native", fused=True) == {"default": reference.update_leaves}
+
+
+# --- the instruction set the native kernel runs -------------------------------
+
+# What each variant of native_cpu.cc needs, in /proc/cpuinfo's names.
+ISA_FLAGS = {"avx512": {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx2", "fma", "f16c"},
+             "avx2": {"avx2", "fma", "f16c"}}
+X86 = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
+ISAS_OF_THIS_BUILD = ("avx512", "avx2", "baseline") if X86 else ("baseline",)
+
+
+def isas_from_proc_cpuinfo():
+  """The variants this CPU runs, widest first, from Linux's /proc/cpuinfo (None where there is no such file)."""
+  if not X86:
+    return ("baseline",)
+  try:
+    with open("/proc/cpuinfo") as f:
+      flags = set(next(line for line in f if line.startswith("flags")).split(":", 1)[1].split())
+  except (OSError, StopIteration):
+    return None
+  return tuple(isa for isa, needs in ISA_FLAGS.items() if needs <= flags) + ("baseline",)
+
+
+@needs_native
+def test_native_runs_the_widest_instruction_set_this_cpu_has_unless_told():
+  expected = isas_from_proc_cpuinfo()
+  if expected is None:
+    pytest.skip("no /proc/cpuinfo to tell what this CPU runs")
+  assert native_cpu.isas_this_cpu_runs() == expected
+  requested = os.environ.get(native_cpu.ISA_VARIABLE) or "auto"
+  assert native_cpu.isa() == (expected[0] if requested == "auto" else requested)
+
+
+@needs_native
+@pytest.mark.parametrize("value", ["avx9", "AVX2", "native"])
+def test_an_instruction_set_the_build_lacks_leaves_the_kernel_unavailable_naming_the_variable(
+    value, monkeypatch, tmp_path):
+  # The choice is made when the library loads, so this loads a second copy of it
+  # (the loaded one is never loaded again); nothing is registered with XLA.
+  here = os.path.dirname(native_cpu.__file__)
+  built = next(p for s in importlib.machinery.EXTENSION_SUFFIXES if os.path.exists(p := f"{here}/_native_cpu{s}"))
+  library = shutil.copy(built, tmp_path)
+  monkeypatch.setenv(native_cpu.ISA_VARIABLE, value)
+  monkeypatch.setattr(native_cpu, "_state", {"loaded": False, "error": None, "warned": False})
+  monkeypatch.setattr(native_cpu, "_library_path", lambda: library)
+  assert not native_cpu.available() and native_cpu.isa() is None
+  assert native_cpu.why_unavailable() == (
+      f"OPTAX_HYBRID_NATIVE_ISA={value} is not an instruction set of this build; accepted values: auto, "
+      + ", ".join(ISAS_OF_THIS_BUILD))
+  with pytest.warns(RuntimeWarning, match=f"OPTAX_HYBRID_NATIVE_ISA={value} is not"):
+    assert kernels.kernels_for("native", fused=True) == {"default": reference.update_leaves}
+
+
+@needs_native
+@pytest.mark.parametrize("isa", ["baseline"])
+def test_native_with_a_forced_instruction_set_equals_reference(isa):
+  # A process of its own: the instruction set is chosen when the library loads.
+  env = dict(os.environ, JAX_PLATFORMS="cpu", OPTAX_HYBRID_NATIVE_ISA=isa,
+             PYTHONPATH=os.pathsep.join([ROOT] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
+  result = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "native_kernel_script.py"), "--expect-isa", isa],
+                          env=env, capture_output=True, text=True, timeout=300)
+  assert result.returncode == 0, result.stdout + result.stderr
+  ran = json.loads(result.stdout.splitlines()[-1])
+  assert ran["isa"] == isa and ran["leaves_compared"] > 0
+  assert os.path.samefile(ran["native_cpu"], native_cpu.__file__)  # this checkout's kernel, not an installed one
 
 
 # --- the native kernel through hybrid_adamw, against the float64 model -------
