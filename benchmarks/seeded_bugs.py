@@ -77,7 +77,7 @@ def build_native(work: str) -> None:
   import jax.ffi
   ext = sysconfig.get_config_var("EXT_SUFFIX")
   out = os.path.join(work, "optax_hybrid", "kernels", f"_native_cpu{ext}")
-  cmd = ["g++", "-O3", "-march=native", "-std=c++17", "-fno-math-errno", "-w", "-shared", "-fPIC",
+  cmd = ["g++", "-O3", "-std=c++17", "-fno-math-errno", "-w", "-shared", "-fPIC",
          f"-I{jax.ffi.include_dir()}", f"-I{sysconfig.get_paths()['include']}",
          os.path.join(work, "optax_hybrid", "kernels", "native_cpu.cc"), "-o", out]
   subprocess.run(cmd, check=True)

@@ -1,7 +1,7 @@
 """AdamW step time on this machine: our kernels against optax.adamw and torch's fused AdamW.
 
     python benchmarks/step.py [--scale 1.0] [--reps 9] [--trees one,many,gpt2] [--dtype float32]
-                              [--compare-library LABEL=PATH ...]
+                              [--compare-library LABEL=PATH ...] [--compare-isa avx2 ...]
 
 Trees: one leaf of 16M params; 1024 leaves of 16K; the GPT-2-small shapes
 (124M params, 148 leaves; --scale shrinks every dimension's product by that
@@ -23,6 +23,9 @@ example today's source built with -march=native, or an older commit's) timed
 in the same interleaved rounds as the installed one, as "ours native LABEL"
 rows. Each is registered with XLA under its own custom-call name, and each
 variant's lowered step is checked to call the build it is named after.
+--compare-isa NAME (repeatable): the installed build with its work loop forced to
+that instruction set (a copy of it, loaded with OPTAX_HYBRID_NATIVE_ISA=NAME),
+as "ours native isa NAME" rows.
 """
 
 from __future__ import annotations
@@ -35,11 +38,14 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import argparse
 import ctypes
+import importlib.machinery
 import math
 import platform
 import re
+import shutil
 import statistics
 import sys
+import tempfile
 import time
 from unittest import mock
 
@@ -134,12 +140,20 @@ def optax_contract_step(tx):
   return jax.jit(step, donate_argnums=(0, 1))
 
 
-def compared_library(spec: str) -> tuple[str, str]:
-  """Loads LABEL=PATH, another build of native_cpu.cc, under its own target name; returns (label, target)."""
+def compared_library(spec: str, isa: str | None = None) -> tuple[str, str]:
+  """Loads LABEL=PATH, another build of native_cpu.cc, under its own target name; returns (label, target).
+
+  ``isa``: the OPTAX_HYBRID_NATIVE_ISA it loads with (the library reads it then).
+  """
   label, sep, path = spec.partition("=")
   if not sep or not label or not path:
     raise SystemExit(f"--compare-library {spec!r}: expected LABEL=PATH")
-  library = ctypes.CDLL(os.path.abspath(path))
+  with mock.patch.dict(os.environ, {} if isa is None else {native_cpu.ISA_VARIABLE: isa}):
+    library = ctypes.CDLL(os.path.abspath(path))
+  if isa is not None:
+    library.OptaxHybridIsa.restype = ctypes.c_char_p
+    if library.OptaxHybridIsa() != isa.encode():
+      raise SystemExit(f"--compare-isa {isa}: the library runs {library.OptaxHybridIsa()}")
   target = f"{native_cpu.TARGET}_{re.sub(r'[^A-Za-z0-9]', '_', label)}"
   jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(library.OptaxHybridAdamWCpu), platform="cpu")
   _compared_libraries.append(library)  # keep it loaded
@@ -147,6 +161,14 @@ def compared_library(spec: str) -> tuple[str, str]:
 
 
 _compared_libraries = []
+
+
+def installed_library_with_isa(isa: str, scratch: str) -> tuple[str, str]:
+  """A copy of the installed build (a path never loaded before, so it reads the variable anew) forced to ``isa``."""
+  here = os.path.dirname(native_cpu.__file__)
+  built = next(p for s in importlib.machinery.EXTENSION_SUFFIXES if os.path.exists(p := f"{here}/_native_cpu{s}"))
+  copy = shutil.copy(built, os.path.join(scratch, f"isa_{isa}.so"))
+  return compared_library(f"isa {isa}={copy}", isa)
 
 
 def variants(shapes, dtype, have_torch, compared):
@@ -199,9 +221,13 @@ def main(argv=None):
                       help="params and gradients (default float32); our moments are float32")
   parser.add_argument("--compare-library", action="append", default=[], metavar="LABEL=PATH",
                       help="another build of native_cpu.cc to time side by side (repeatable)")
+  parser.add_argument("--compare-isa", action="append", default=[], choices=("avx512", "avx2", "baseline"),
+                      help="the installed build forced to this instruction set, side by side (repeatable)")
   args = parser.parse_args(argv)
   dtype = jnp.dtype(args.dtype)
   compared = [compared_library(spec) for spec in args.compare_library]
+  scratch = tempfile.mkdtemp(prefix="optax_hybrid_step_")
+  compared += [installed_library_with_isa(isa, scratch) for isa in args.compare_isa]
   try:
     import torch
     torch_note = f"torch {torch.__version__} ({torch.get_num_threads()} threads)"
