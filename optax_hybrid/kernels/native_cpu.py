@@ -73,8 +73,11 @@ def _load() -> bool:
     handler = getattr(library, _SYMBOL)
     isa_name, isa_problem, cpu_runs = (_c_string_function(library, name) for name in (
         "OptaxHybridIsa", "OptaxHybridIsaProblem", "OptaxHybridIsasThisCpuRuns"))
-  except (OSError, AttributeError) as e:
+  except OSError as e:
     _state["error"] = f"loading {path} failed: {e}"
+    return False
+  except AttributeError as e:  # a library built from an older native_cpu.cc
+    _state["error"] = f"{e}: built from an older native_cpu.cc? rebuild it (pip install, or setup.py build_ext --inplace)"
     return False
   _state["isas_this_cpu_runs"] = tuple(cpu_runs().decode().split())
   if isa_name() is None:  # OPTAX_HYBRID_NATIVE_ISA names an instruction set the library cannot run here
