@@ -1,7 +1,7 @@
 """AdamW step time on this machine: our kernels against optax.adamw and torch's fused AdamW.
 
-    python benchmarks/step.py [--scale 1.0] [--reps 9] [--trees one,many,gpt2] [--dtype float32]
-                              [--compare-library LABEL=PATH ...] [--compare-isa avx2 ...]
+    python benchmarks/step.py [--scale 1.0] [--reps 9] [--trees one,many,gpt2] [--kernels xla,native]
+                              [--dtype float32] [--compare-library LABEL=PATH ...] [--compare-isa avx2 ...]
 
 Trees: one leaf of 16M params; 1024 leaves of 16K; the GPT-2-small shapes
 (124M params, 148 leaves; --scale shrinks every dimension's product by that
@@ -171,10 +171,10 @@ def installed_library_with_isa(isa: str, scratch: str) -> tuple[str, str]:
   return compared_library(f"isa {isa}={copy}", isa)
 
 
-def variants(shapes, dtype, have_torch, compared):
+def variants(shapes, dtype, have_torch, compared, kernels=("xla", "native")):
   """``compared``: (label, target) of other native builds, each timed in the tx.step variants."""
-  native = native_cpu.available()
-  builds = [("xla", "", None)] + ([("native", "", native_cpu.TARGET)] if native else [])
+  builds = [("xla", "", None)] if "xla" in kernels else []
+  builds += [("native", "", native_cpu.TARGET)] if "native" in kernels and native_cpu.available() else []
   builds += [("native", f" {label}", target) for label, target in compared]
   moments = {} if dtype == jnp.float32 else {"mu_dtype": jnp.float32, "nu_dtype": jnp.float32}
   out = []
@@ -217,6 +217,8 @@ def main(argv=None):
   parser.add_argument("--scale", type=float, default=1.0, help="shrink every tree by this factor")
   parser.add_argument("--reps", type=int, default=9, help="timed rounds (default 9)")
   parser.add_argument("--trees", default="one,many,gpt2", help="comma-separated subset of one,many,gpt2")
+  parser.add_argument("--kernels", default="xla,native",
+                      help="our kernels to time (default xla,native); optax.adamw and the compared builds always run")
   parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
                       help="params and gradients (default float32); our moments are float32")
   parser.add_argument("--compare-library", action="append", default=[], metavar="LABEL=PATH",
@@ -244,7 +246,8 @@ def main(argv=None):
   print(f"memory bandwidth (donated in-place scale, 8 B/element): {bandwidth:.1f} GB/s")
   for tree_name, shapes in trees(args.trees.split(","), args.scale).items():
     n_params = sum(math.prod(s) for s in shapes.values())
-    built = [make() for make in variants(shapes, dtype, have_torch and dtype == jnp.float32, compared)]
+    built = [make() for make in variants(shapes, dtype, have_torch and dtype == jnp.float32, compared,
+                                         args.kernels.split(","))]
     for v in built:  # warm-up: compile and touch every buffer
       for _ in range(2):
         v.run()
