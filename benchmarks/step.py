@@ -6,7 +6,9 @@
 Trees: one leaf of 16M params; 1024 leaves of 16K; the GPT-2-small shapes
 (124M params, 148 leaves; --scale shrinks every dimension's product by that
 factor). Every variant is a donated, jitted training-loop step (update and
-apply), warmed up, then timed in interleaved rounds; medians are reported.
+apply), warmed up, then timed in interleaved rounds, each round in a new
+(seeded) random order so that no variant always follows the same one (a step
+that leaves many pages to fault slows the next); medians are reported.
 
 Columns: median ms; params per second; GB/s counting the bytes per param an
 AdamW step must move (read p, g, m, v; write p, m, v: 28 for fp32); that as a
@@ -41,6 +43,7 @@ import ctypes
 import importlib.machinery
 import math
 import platform
+import random
 import re
 import shutil
 import statistics
@@ -252,8 +255,9 @@ def main(argv=None):
       for _ in range(2):
         v.run()
     times = {v.name: [] for v in built}
+    order = random.Random(0)
     for _ in range(args.reps):  # interleaved rounds
-      for v in built:
+      for v in order.sample(built, len(built)):
         t = time.perf_counter()
         v.run()
         times[v.name].append(time.perf_counter() - t)
