@@ -24,7 +24,11 @@ follows the params); torch is left out.
 example today's source built with -march=native, or an older commit's) timed
 in the same interleaved rounds as the installed one, as "ours native LABEL"
 rows. Each is registered with XLA under its own custom-call name, and each
-variant's lowered step is checked to call the build it is named after.
+variant's lowered step is checked to call the build it is named after. To
+compare two builds, pass both this way (a copy of the installed one too) with
+--kernels none: the installed build's own rows measured a few percent slower
+than a copy of the very same library loaded this way (2026-12-01), so only
+builds loaded alike compare fairly.
 --compare-isa NAME (repeatable): the installed build with its work loop forced to
 that instruction set (a copy of it, loaded with OPTAX_HYBRID_NATIVE_ISA=NAME),
 as "ours native isa NAME" rows.
@@ -221,7 +225,7 @@ def main(argv=None):
   parser.add_argument("--reps", type=int, default=9, help="timed rounds (default 9)")
   parser.add_argument("--trees", default="one,many,gpt2", help="comma-separated subset of one,many,gpt2")
   parser.add_argument("--kernels", default="xla,native",
-                      help="our kernels to time (default xla,native); optax.adamw and the compared builds always run")
+                      help="our kernels to time (default xla,native; none: only optax.adamw and the compared builds)")
   parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
                       help="params and gradients (default float32); our moments are float32")
   parser.add_argument("--compare-library", action="append", default=[], metavar="LABEL=PATH",
