@@ -7,8 +7,10 @@ Trees: one leaf of 16M params; 1024 leaves of 16K; the GPT-2-small shapes
 (124M params, 148 leaves; --scale shrinks every dimension's product by that
 factor). Every variant is a donated, jitted training-loop step (update and
 apply), warmed up, then timed in interleaved rounds, each round in a new
-(seeded) random order so that no variant always follows the same one (a step
-that leaves many pages to fault slows the next); medians are reported.
+(seeded) random order so that no variant always follows the same one (in a
+fixed order, the variant after the native update+apply, whose full-size
+update buffer is allocated afresh each step, measured slower in 7 of 9 runs);
+medians are reported.
 
 Columns: median ms; params per second; GB/s counting the bytes per param an
 AdamW step must move (read p, g, m, v; write p, m, v: 28 for fp32); that as a
