@@ -164,15 +164,15 @@ def placed_with(value: Any, shape: tuple, dtype: Any, sharding: Any, *, abstract
   return jax.jit(lambda v: v.astype(dtype), out_shardings=sharding)(value)
 
 
-def zeros_placed(param: Any, dtype: Any, kind: str) -> Any:
-  """Zeros shaped like ``param`` in ``dtype``, placed in memory ``kind``.
+def zeros_placed(param: Any, dtype: Any, kind: str, shape: tuple | None = None) -> Any:
+  """Zeros shaped like ``param`` (or ``shape``, placed like it) in ``dtype``, placed in memory ``kind``.
 
   A concrete array keeps its sharding (mesh and spec) with the memory kind
   changed; a ``jax.ShapeDtypeStruct`` gives a ``ShapeDtypeStruct`` (so that
   ``init`` can describe the state of a model that is not materialized); under
   tracing the zeros are moved to the memory space and the compiler places them.
   """
-  shape = np.shape(param)
+  shape = np.shape(param) if shape is None else tuple(shape)
   if isinstance(param, jax.ShapeDtypeStruct):
     sharding = param.sharding
     if sharding is not None:

@@ -34,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from optax_hybrid import placement, tiers as tiers_lib
+from optax_hybrid.kernels import quantized
 from optax_hybrid.options import Options, is_inexact
 
 # The state bytes a stage of streamed leaves gathers before the next stage
@@ -62,7 +63,10 @@ class LeafPlan:
     param_kind: the memory kind the param lives in.
     state_kind: the memory kind of the in-memory state: the moments, and the
       master copy (for the disk tier, whose moments are files, the master).
-    mu_dtype, nu_dtype: the moments' storage dtypes.
+    mu_dtype, nu_dtype: the moments' storage dtypes; for 8-bit moments, the
+      dtype of their values (float32).
+    quantized: the moments are stored 8-bit block-wise (codes and per-block
+      scales: :mod:`optax_hybrid.kernels.quantized`).
     master_dtype: the master copy's dtype, or None when the leaf keeps none.
     decay: does the leaf take weight decay (the mask, resolved once)?
     state_sharding: the multi-device ``NamedSharding`` of the state (device
@@ -91,6 +95,7 @@ class LeafPlan:
   state_sharding: Any = None
   gather_to: Any = None
   stage: int = 0
+  quantized: bool = False
 
   # Derived once from the tier (see __post_init__), read by every step.
   runs_on: str = dataclasses.field(init=False)
@@ -182,16 +187,19 @@ def make_plan(params: Any, options: Options) -> Plan:
       raise ValueError(
           "hybrid_adamw: the 'disk' tier needs single-device params (its ordered file callbacks "
           "cannot run in a multi-device computation); keep sharded params in 'host' or 'host_state'.")
-    mu_dtype, nu_dtype = moment_dtypes(p.dtype, o.mu_dtype, o.nu_dtype, key_path)
     zero1 = None
     if o.shard_state_over is not None and tier != tiers_lib.DISK_TIER:
       zero1 = tiers_lib.zero1_sharding(p, o.shard_state_over)
+    state_sharding = tiers_lib.device_sharding_of(p, zero1)
+    quantize = o.quantize_moments and quantized.quantizable(
+        np.shape(p), p.dtype, _last_axis_shards(state_sharding, np.ndim(p)))
+    mu_dtype, nu_dtype = moment_dtypes(p.dtype, *_requested_dtypes(o, p.dtype), key_path)
     leaves.append(LeafPlan(
         path=jax.tree_util.keystr(key_path) or "<root>", tier=tier, param_kind=placement.param_memory_kind(p),
         state_kind=kind, mu_dtype=np.dtype(mu_dtype), nu_dtype=np.dtype(nu_dtype),
         master_dtype=np.dtype(o.master_dtype) if tiers_lib.master_needed(p.dtype, o.master_dtype) else None,
-        decay=decay, state_sharding=tiers_lib.device_sharding_of(p, zero1),
-        gather_to=None if zero1 is None else p.sharding))
+        decay=decay, state_sharding=state_sharding, gather_to=None if zero1 is None else p.sharding,
+        quantized=quantize))
   leaves = assign_stages(leaves, [np.shape(p) for _, p in with_paths])
   split, mesh = _split([leaf.state_sharding for leaf in leaves if leaf.runs_on == "device"])
   return Plan(tuple(leaves), kernel=o.kernel, split=split, mesh=mesh)
@@ -200,8 +208,30 @@ def make_plan(params: Any, options: Options) -> Plan:
 def state_bytes(leaf: LeafPlan, shape: Sequence[int]) -> int:
   """Bytes of a leaf's state that a step moves: both moments, and the master if any."""
   n = int(np.prod(shape))
-  master = 0 if leaf.master_dtype is None else np.dtype(leaf.master_dtype).itemsize
-  return n * (np.dtype(leaf.mu_dtype).itemsize + np.dtype(leaf.nu_dtype).itemsize + master)
+  master = 0 if leaf.master_dtype is None else n * np.dtype(leaf.master_dtype).itemsize
+  if leaf.quantized:
+    return 2 * quantized.bytes_per_moment(shape) + master
+  return n * (np.dtype(leaf.mu_dtype).itemsize + np.dtype(leaf.nu_dtype).itemsize) + master
+
+
+def _requested_dtypes(o: Options, param_dtype: Any) -> tuple[Any, Any]:
+  """The ``(mu_dtype, nu_dtype)`` asked for: by ``moment_format`` (8-bit: float32 values), else as given."""
+  if o.moment_format is None:
+    return o.mu_dtype, o.nu_dtype
+  real = np.dtype(jnp.float32 if o.quantize_moments else o.moment_format)
+  if jnp.issubdtype(param_dtype, jnp.complexfloating):
+    return jnp.result_type(real, jnp.complex64), real
+  return real, real
+
+
+def _last_axis_shards(sharding: Any, ndim: int) -> int:
+  """Into how many shards a state sharding splits a leaf's last axis (1: unsharded or single-device)."""
+  spec = () if sharding is None else tuple(sharding.spec)
+  if ndim == 0 or len(spec) < ndim or spec[ndim - 1] is None:
+    return 1
+  entry = spec[ndim - 1]
+  axes = entry if isinstance(entry, tuple) else (entry,)
+  return int(np.prod([sharding.mesh.shape[a] for a in axes]))
 
 
 def assign_stages(leaves: Sequence[LeafPlan], shapes: Sequence[Sequence[int]],

@@ -580,7 +580,7 @@ def standard_optimizer(
     **hybrid_options: any other keyword argument of
       :func:`optax_hybrid.hybrid_adamw`, given to every group's AdamW: the
       placement options (``state_memory_kind="pinned_host"`` for moments in
-      host memory, ``kernel``), ``mu_dtype``/``nu_dtype``,
+      host memory, ``kernel``), ``moment_format`` (``"8bit"``), ``mu_dtype``/``nu_dtype``,
       ``bias_correction``, and ``skip_nonfinite=True``, which skips a whole
       update (every group together) whose gradients hold a NaN or an
       infinity, without advancing the schedule. Options that take a tree or a

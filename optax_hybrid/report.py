@@ -29,8 +29,11 @@ OTHER_STATE = "other_state"
 COMPONENTS = ("params", "gradients", "moments", "master_weights", "other_state")
 # HybridAdamState fields shaped like the params: the state attached to each
 # param ("master" holds an fp32 copy of low-precision params, where the
-# optimizer keeps one; None elsewhere).
-_PER_PARAM_FIELDS = {"mu": "moments", "nu": "moments", "master": "master_weights"}
+# optimizer keeps one; None elsewhere). 8-bit moments keep their codes in
+# "mu"/"nu" and their per-block scales, shaped otherwise, in "*_scales".
+_PER_PARAM_FIELDS = {"mu": "moments", "nu": "moments", "master": "master_weights",
+                     "mu_scales": "moments", "nu_scales": "moments"}
+_SHAPED_OTHERWISE = ("mu_scales", "nu_scales")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -305,14 +308,14 @@ def memory_report(params: Any, opt_state: Any) -> MemoryReport:
     by_component[OTHER_STATE][placed.memory] += placed.nbytes
     add_device_shards(placed)
 
-  def param_index(where: str, sub_path, placed: _Placed) -> int:
+  def param_index(where: str, sub_path, placed: _Placed, params_shaped: bool) -> int:
     i = index.get(path_names(sub_path))
     if i is None:
       raise ValueError(
           f"memory_report: {where} matches no params leaf; pass the params tree "
           "the optimizer state was initialized with."
       )
-    if placed.shape != placed_params[i].shape:
+    if params_shaped and placed.shape != placed_params[i].shape:
       raise ValueError(
           f"memory_report: {where} has shape {placed.shape} but its param has "
           f"shape {placed_params[i].shape}; pass the params the optimizer state "
@@ -336,7 +339,7 @@ def memory_report(params: Any, opt_state: Any) -> MemoryReport:
       for sub_path, leaf in entries:
         where = f"opt_state{jax.tree_util.keystr(key_path)}.{field} leaf {path_name(sub_path)!r}"
         placed = _Placed(leaf, where, numpy_ok=True)
-        i = param_index(where, sub_path, placed)
+        i = param_index(where, sub_path, placed, params_shaped=field not in _SHAPED_OTHERWISE)
         attached[i][placed.memory] += placed.nbytes
         has_state[i] = True
         by_component[_PER_PARAM_FIELDS[field]][placed.memory] += placed.nbytes

@@ -11,7 +11,7 @@ import optax
 from optax._src import numerics
 
 from optax_hybrid import disk, pipeline, placement, tiers as tiers_lib
-from optax_hybrid.kernels import step_scalars
+from optax_hybrid.kernels import quantized, step_scalars
 from optax_hybrid.options import MaskOrFn, Options, ScalarOrSchedule, check_learning_rate, make_options
 from optax_hybrid.plan import LeafPlan, make_plan
 
@@ -29,6 +29,11 @@ class HybridAdamState(NamedTuple):
     master: with ``master_dtype``, the master copy of each lower-precision
       param (a tree shaped like the params, ``None`` where a param keeps no
       master), placed with the leaf's moments; ``None`` otherwise.
+    mu_scales, nu_scales: with ``moment_format="8bit"``, the float32 per-block
+      scales of each quantized moment (trees shaped like the params, ``None``
+      where a leaf keeps float32 moments); ``mu`` and ``nu`` then hold the
+      uint8 codes of those leaves. ``None`` otherwise. Read the values with
+      :func:`optax_hybrid.moments`.
     plan: every per-leaf decision made by ``init`` (:class:`optax_hybrid.plan.Plan`:
       tier, memory kinds, dtypes, decay, shardings, streaming stage),
       static data that holds no arrays.
@@ -39,6 +44,8 @@ class HybridAdamState(NamedTuple):
   nu: optax.Updates
   skipped: jax.Array
   master: Any = None
+  mu_scales: Any = None
+  nu_scales: Any = None
   plan: Any = None
 
 
@@ -94,12 +101,18 @@ def _state_arrays(param: Any, leaf: LeafPlan, store: Any) -> tuple:
   # ZeRO-1 splits the state further than the param: place it with its own sharding.
   split = None if leaf.gather_to is None else leaf.state_sharding.with_memory_kind(leaf.state_kind)
 
-  def moment(dtype):
+  def zeros(shape, dtype):
     if leaf.on_disk:
-      return store.create(np.shape(param), dtype)
+      return store.create(shape, dtype)
     if split is not None:
-      return placement.placed_with(None, np.shape(param), dtype, split, abstract=abstract)
-    return placement.zeros_placed(param, dtype, leaf.state_kind)
+      return placement.placed_with(None, shape, dtype, split, abstract=abstract)
+    return placement.zeros_placed(param, dtype, leaf.state_kind, shape=shape)
+
+  def moment(dtype):
+    if leaf.quantized:  # zero codes with zero scales: zeros
+      return quantized.QuantizedMoment(zeros(np.shape(param), quantized.CODE_DTYPE),
+                                       zeros(quantized.scales_shape(np.shape(param)), quantized.SCALE_DTYPE))
+    return zeros(np.shape(param), dtype)
 
   master = None
   if leaf.master_dtype is not None:
@@ -121,13 +134,14 @@ def _hybrid_adam(options: Options) -> HybridAdamW:
     arrays = [_state_arrays(p, leaf, disk_store[0] if disk_store else None)
               for p, leaf in zip(param_leaves, plan.leaves)]
     mu, nu, master = ([a[k] for a in arrays] for k in range(3))
-    state_leaves = [x for x in mu + nu if not isinstance(x, disk.DiskMoment)]
+    state_leaves = [x for x in jax.tree.leaves(mu + nu) if not isinstance(x, disk.DiskMoment)]
     if not state_leaves:  # every moment on disk: the counter follows the params
       state_leaves = [p for p in param_leaves if getattr(p, "committed", False)]
     counter = lambda: placement.step_counter_like(state_leaves)
     has_master = o.master_dtype is not None
-    return HybridAdamState(count=counter(), mu=treedef.unflatten(mu), nu=treedef.unflatten(nu), skipped=counter(),
-                           master=treedef.unflatten(master) if has_master else None, plan=plan)
+    return HybridAdamState(count=counter(), skipped=counter(), plan=plan,
+                           master=treedef.unflatten(master) if has_master else None,
+                           **_moment_fields(mu, nu, treedef, o.quantize_moments))
 
   def step(grads, state, params, *, write_params):
     if not isinstance(state, HybridAdamState):
@@ -177,12 +191,22 @@ def _next_state(state: HybridAdamState, outs: list, treedef: Any, step_ok: Any, 
     count = count + written  # the next step's read of disk moments waits for this write
   return HybridAdamState(
       count=count,
-      mu=treedef.unflatten([out.mu for out in outs]),
-      nu=treedef.unflatten([out.nu for out in outs]),
       skipped=skipped,
       master=None if state.master is None else treedef.unflatten([out.master for out in outs]),
       plan=state.plan,
+      **_moment_fields([out.mu for out in outs], [out.nu for out in outs], treedef, state.mu_scales is not None),
   )
+
+
+def _moment_fields(mu: list, nu: list, treedef: Any, with_scales: bool) -> dict:
+  """The state's moment fields from one moment per leaf: quantized ones split into codes and scales."""
+  codes = lambda m: m.codes if isinstance(m, quantized.QuantizedMoment) else m
+  scales = lambda m: m.scales if isinstance(m, quantized.QuantizedMoment) else None
+  fields = {"mu": treedef.unflatten([codes(m) for m in mu]), "nu": treedef.unflatten([codes(v) for v in nu])}
+  if with_scales:
+    fields["mu_scales"] = treedef.unflatten([scales(m) for m in mu])
+    fields["nu_scales"] = treedef.unflatten([scales(v) for v in nu])
+  return fields
 
 
 def scale_by_hybrid_adam(
@@ -204,6 +228,7 @@ def scale_by_hybrid_adam(
     nvme_offload_fraction: float | None = None,
     nvme_offload_dir: Any = None,
     shard_state_over: str | None = None,
+    moment_format: str | None = None,
 ) -> optax.GradientTransformationExtraArgs:
   r"""The Adam direction, without the learning rate, for users who compose their own chain.
 
@@ -250,6 +275,7 @@ def hybrid_adamw(
     nvme_offload_fraction: float | None = None,
     nvme_offload_dir: Any = None,
     shard_state_over: str | None = None,
+    moment_format: str | None = None,
 ) -> HybridAdamW:
   r"""AdamW as ColossalAI's HybridAdam and ``torch.optim.AdamW`` compute it, with placeable state.
 
@@ -332,6 +358,15 @@ def hybrid_adamw(
       (:func:`optax_hybrid.tiers.zero1_sharding`). Each device then updates
       its shard and the update is gathered back to the param's sharding.
       Params must be placed with a ``NamedSharding`` on a mesh with that axis.
+    moment_format: how both moments are stored, instead of ``mu_dtype`` /
+      ``nu_dtype``: ``"float32"``, ``"bfloat16"``, ``"float16"``, or ``"8bit"``:
+      block-wise 8-bit (Dettmers et al. 2021), uint8 codes into a dynamic
+      code map plus one float32 scale per block of 256 values along the last
+      axis, 2.03 bytes per weight for both moments instead of 8 (leaves of
+      fewer than 4096 values, non-float leaves, and leaves whose state shards
+      would split a block keep float32 moments). Every tier and kernel takes
+      it; the update uses the new moments before they are quantized. See
+      :mod:`optax_hybrid.kernels.quantized`.
     master_dtype: keep a master copy in this dtype (e.g. ``jnp.float32``) for
       each lower-precision param (bf16, fp16), placed with its moments. The
       step is computed against the master; the new param is the new master

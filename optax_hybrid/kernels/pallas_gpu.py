@@ -35,7 +35,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pl_triton
 
-from optax_hybrid.kernels import contract, reference
+from optax_hybrid.kernels import contract, quantized, reference
 
 # Elements per program, and warps per program. Power-of-two blocks are a Triton
 # requirement; 4096 fp32 elements per 8 warps is 16 per thread, enough
@@ -59,6 +59,8 @@ _STEP_OK = contract.AdamScalars._fields.index("step_ok")
 
 def supports(leaf: contract.LeafOperands, fact: contract.LeafFacts) -> bool:
   """Whether a leaf can go through the kernel (real float16/bfloat16/float32 leaves, non-empty)."""
+  if isinstance(leaf.mu, quantized.QuantizedMoment) or isinstance(leaf.nu, quantized.QuantizedMoment):
+    return False
   dtypes = [leaf.grad.dtype, leaf.mu.dtype, leaf.nu.dtype, fact.out_dtype]
   dtypes += [] if leaf.param is None else [leaf.param.dtype]
   if any(np.dtype(d) not in contract.STORAGE_DTYPES for d in dtypes):

@@ -21,13 +21,14 @@ square root of :math:`\hat v`, as in PyTorch, ColossalAI and Optax.
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Callable, Sequence, Union
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
 from optax_hybrid import _compat
+from optax_hybrid.kernels import quantized
 from optax_hybrid.kernels.contract import AdamScalars, LeafFacts, LeafOperands, LeafResult, Rule
 
 
@@ -63,10 +64,14 @@ def compute_dtype(dtype) -> jnp.dtype:
   return jnp.promote_types(dtype, jnp.float32)
 
 
+# A moment in its storage format: an array, or 8-bit block-wise codes and scales.
+Moment = Union[jax.Array, quantized.QuantizedMoment]
+
+
 def adam_leaf_update(
     grad: jax.Array,
-    mu: jax.Array,
-    nu: jax.Array,
+    mu: Moment,
+    nu: Moment,
     param: jax.Array | None,
     s: AdamScalars,
     *,
@@ -74,12 +79,19 @@ def adam_leaf_update(
     decay: bool,
     update_dtype,
     write_params: bool = False,
-) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """One leaf's step. Returns ``(update, new_mu, new_nu)`` in their storage dtypes.
+    take=quantized.lookup,
+) -> tuple[jax.Array, Moment, Moment]:
+  """One leaf's step. Returns ``(update, new_mu, new_nu)``, the moments in their storage formats.
 
   ``decay`` says whether this leaf takes weight decay (the mask); ``param`` may
   be ``None`` only when it does not. Complex leaves follow ``optax.adamw``: the
   second moment accumulates :math:`|g|^2` and stays real.
+
+  A moment is an array in its storage dtype or a
+  :class:`~optax_hybrid.kernels.quantized.QuantizedMoment` (8-bit block-wise):
+  it is dequantized, the step runs in float32 on the values, and the update is
+  computed from the new moments *before* they are quantized for storage
+  (``take`` reads the code maps: see :func:`quantized.dequantize`).
 
   With ``write_params=True`` the first result is the new parameter
   ``p + update``, added in float32 and rounded once to the param's dtype
@@ -92,9 +104,9 @@ def adam_leaf_update(
   if decay:
     if not adamw_mode:
       g = g + s.weight_decay * p
-  m = s.b1 * mu.astype(dtype) + (1.0 - s.b1) * g
+  m = s.b1 * _values(mu, dtype, signed=True, take=take) + (1.0 - s.b1) * g
   g_sq = (g * jnp.conj(g)).real if jnp.iscomplexobj(g) else g * g
-  v = s.b2 * nu.astype(g_sq.dtype) + (1.0 - s.b2) * g_sq
+  v = s.b2 * _values(nu, g_sq.dtype, signed=False, take=take) + (1.0 - s.b2) * g_sq
   denom = jnp.sqrt(v) / s.bias_correction2_sqrt + s.eps
   update = -(s.learning_rate / s.bias_correction1) * (m / denom)
   if decay and adamw_mode:
@@ -103,14 +115,29 @@ def adam_leaf_update(
     first, unchanged = (p + update).astype(update_dtype), param
   else:
     first, unchanged = update.astype(update_dtype), None
+  new_mu, new_nu = _stored(m, like=mu, signed=True, take=take), _stored(v, like=nu, signed=False, take=take)
   if s.step_ok is not None:
     # A scalar predicate selects without broadcasting, which host compute needs.
     if unchanged is None:
       unchanged = _compat.zeros_like(first)
-    first = lax.select_n(s.step_ok, unchanged, first)
-    m = lax.select_n(s.step_ok, mu.astype(m.dtype), m)
-    v = lax.select_n(s.step_ok, nu.astype(v.dtype), v)
-  return first, m.astype(mu.dtype), v.astype(nu.dtype)
+    keep = lambda old, new: lax.select_n(s.step_ok, old, new)
+    first = keep(unchanged, first)
+    new_mu, new_nu = jax.tree.map(keep, mu, new_mu), jax.tree.map(keep, nu, new_nu)
+  return first, new_mu, new_nu
+
+
+def _values(moment: Moment, dtype, *, signed: bool, take) -> jax.Array:
+  """A stored moment's values in the compute dtype."""
+  if isinstance(moment, quantized.QuantizedMoment):
+    return quantized.dequantize(moment, signed=signed, take=take).astype(dtype)
+  return moment.astype(dtype)
+
+
+def _stored(x: jax.Array, *, like: Moment, signed: bool, take) -> Moment:
+  """New moment values in the storage format of ``like``."""
+  if isinstance(like, quantized.QuantizedMoment):
+    return quantized.quantize(x, signed=signed, take=take)
+  return x.astype(like.dtype)
 
 
 def with_reference_for_the_rest(
