@@ -209,6 +209,62 @@ def _moment_fields(mu: list, nu: list, treedef: Any, with_scales: bool) -> dict:
   return fields
 
 
+def moment_values(opt_state: Any) -> tuple[Any, Any]:
+  """The Adam moments of the :class:`HybridAdamState` in ``opt_state``, as float trees shaped like the params.
+
+  8-bit moments (``moment_format="8bit"``) are dequantized (code map value
+  times block scale), disk-tier moments are read from their files, and the
+  others are returned as stored. The values are copies on the default
+  device, for inspection (logging, debugging, converting a run); the step
+  never needs them.
+
+  Args:
+    opt_state: a ``HybridAdamState``, or any optimizer state holding exactly
+      one (inside ``optax.chain``, ``MultiSteps``, ``standard_optimizer``, ...).
+
+  Returns:
+    ``(mu, nu)``: two trees shaped like the params.
+
+  Raises:
+    ValueError: if ``opt_state`` holds no ``HybridAdamState``, or several.
+
+  Example:
+    >>> import jax.numpy as jnp, optax_hybrid
+    >>> params = {"w": jnp.ones((16, 512))}
+    >>> tx = optax_hybrid.hybrid_adamw(1e-3, moment_format="8bit")
+    >>> state = tx.init(params)
+    >>> params, state = tx.step(params, state, {"w": jnp.full((16, 512), 0.5)})
+    >>> state.mu["w"].dtype, state.mu_scales["w"].shape
+    (dtype('uint8'), (16, 2))
+    >>> mu, nu = optax_hybrid.moment_values(state)
+    >>> float(mu["w"][0, 0]), float(nu["w"][0, 0])  # (1 - b1) g, (1 - b2) g^2
+    (0.05000000074505806, 0.0002500000118743628)
+  """
+  found = [x for x in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, HybridAdamState))
+           if isinstance(x, HybridAdamState)]
+  if len(found) != 1:
+    raise ValueError(f"moment_values: `opt_state` must hold exactly one HybridAdamState, found {len(found)}"
+                     + ("; pass the HybridAdamState itself (for example from optax.tree_utils.tree_get_all_with_path"
+                        "(opt_state, 'mu'))." if found else " (no HybridAdamState: is this a hybrid_adamw state?)."))
+  state = found[0]
+  read = lambda x: disk.read(x) if isinstance(x, disk.DiskMoment) else jax.device_get(x)
+
+  def values(codes, scales, signed):
+    if scales is None:
+      return jnp.asarray(read(codes))
+    return quantized.dequantize(quantized.QuantizedMoment(jnp.asarray(read(codes)), jnp.asarray(read(scales))),
+                                signed=signed)
+
+  treedef = jax.tree.structure(state.mu, is_leaf=lambda x: isinstance(x, disk.DiskMoment))
+  out = []
+  for field, signed in (("mu", True), ("nu", False)):
+    codes = treedef.flatten_up_to(getattr(state, field))
+    scales_tree = getattr(state, field + "_scales")
+    scales = [None] * len(codes) if scales_tree is None else treedef.flatten_up_to(scales_tree)
+    out.append(treedef.unflatten([values(c, sc, signed) for c, sc in zip(codes, scales)]))
+  return out[0], out[1]
+
+
 def scale_by_hybrid_adam(
     b1: float = 0.9,
     b2: float = 0.999,

@@ -97,6 +97,13 @@ def manager_with_step_1():
 
 
 S = optax_hybrid.warmup_cosine_schedule
+def _update_without_scales():
+  big = {"w": jnp.ones((16, 512))}
+  tx = hybrid(moment_format="8bit")
+  state = tx.init(big)
+  tx.update(big, state._replace(mu_scales=None, nu_scales=None), big)
+
+
 TRIGGERS = {
     "schedule-total": lambda: S(1.0, total_steps=10, warmup_steps=10),
     "schedule-warmup": lambda: S(1.0, total_steps=10, warmup_steps=-1),
@@ -119,6 +126,9 @@ TRIGGERS = {
     "hyperparameter-type": lambda: hybrid(b1=jnp.ones(3)),
     "flag-type": lambda: hybrid(adamw_mode="yes"),
     "kernel-unknown": lambda: hybrid(kernel="cuda"),
+    "moment-format-unknown": lambda: hybrid(moment_format="int8"),
+    "moment-format-and-dtypes": lambda: hybrid(moment_format="8bit", nu_dtype=jnp.bfloat16),
+    "quantized-state-no-scales": lambda: _update_without_scales(),
     "memory-kind-unknown": lambda: hybrid(state_memory_kind="unpinned_host"),
     "memory-kind-missing": lambda: placement.check_memory_kind("pinned_host", fake_device_without_host()),
     "memory-kind-callable": lambda: hybrid(state_memory_kind=lambda path, p: "vram").init({"w": PARAMS["w"]}),

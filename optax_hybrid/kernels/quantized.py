@@ -32,6 +32,7 @@ from typing import NamedTuple, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from optax_hybrid import _compat
 
@@ -89,8 +90,9 @@ def dynamic_map(signed: bool) -> np.ndarray:
 def _thresholds(code_map: np.ndarray) -> np.ndarray:
   """Midpoints between neighbouring map values, padded with +inf to 256 entries.
 
-  The code of ``x`` is the number of thresholds below it, which a branchless
-  binary search over these 256 entries finds in 8 steps.
+  The code of ``x`` is the number of thresholds below it (a branchless binary
+  search over these 256 entries finds it in 8 steps): what :func:`encode`
+  computes without a table.
   """
   mids = (code_map[:-1].astype(np.float64) + code_map[1:].astype(np.float64)) / 2
   return np.concatenate([mids, [np.inf]]).astype(np.float32)
@@ -141,39 +143,84 @@ def _from_blocks(x: jax.Array, last: int) -> jax.Array:
   return x.reshape(*x.shape[:-2], x.shape[-2] * BLOCK_SIZE)[..., :last]
 
 
-def lookup(table, codes: jax.Array) -> jax.Array:
-  """``table[codes]`` for a 256-entry table (placed in the codes' memory space, for host compute)."""
-  table = _compat.move(jnp.asarray(table), _compat.memory_space_of(codes))
-  return table[codes.astype(jnp.int32)]
+def _full_like(x: jax.Array, value: float) -> jax.Array:
+  """``value`` broadcast like ``x``, in ``x``'s memory space (host compute types a bare constant as device)."""
+  return _compat.zeros_like(x) + np.float32(value)
 
 
-def nearest_codes(x: jax.Array, thresholds, take=lookup) -> jax.Array:
-  """The uint8 code of each normalized value: the number of ``thresholds`` below it (binary search)."""
-  # Arithmetic on the comparisons rather than jnp.where with constants: host
-  # compute types a broadcast constant as device memory (_compat.zeros_like).
-  code = (take(thresholds, _compat.zeros_like(x).astype(jnp.int32) + 127) < x).astype(jnp.int32) * 128
-  for step in (64, 32, 16, 8, 4, 2, 1):
-    code = code + (take(thresholds, code + (step - 1)) < x).astype(jnp.int32) * step
-  return code.astype(jnp.uint8)
+def _power_of_two(k: jax.Array) -> jax.Array:
+  """``2.0 ** k`` for int32 ``k`` in [0, 127], exactly (built from the exponent bits)."""
+  return lax.bitcast_convert_type((k + 127) << 23, jnp.float32)
 
 
-def dequantize(q: QuantizedMoment, *, signed: bool, take=lookup) -> jax.Array:
-  """The float32 values a quantized moment stands for.
+def _magnitude_values(c: jax.Array, bits: int) -> jax.Array:
+  """The dynamic magnitude of int32 index ``c`` (0 .. 2**bits - 1), by arithmetic: no table, no gather.
 
-  ``take(table, codes)`` reads the code map (a kernel may pass its own,
-  e.g. a load from a table operand).
+  Index ``c >= 1`` lies in decade ``k = floor(log2 c)``:
+  ``10**(k - bits + 1) * (0.1 + 0.9 * ((c + 1) / 2**k - 1))``; index 0 is 0.
   """
-  values = take(SIGNED_MAP if signed else UNSIGNED_MAP, q.codes)
+  cf = c.astype(jnp.float32)
+  k = (lax.bitcast_convert_type(jnp.maximum(cf, 1.0), jnp.int32) >> 23) - 127  # floor(log2 c), exactly
+  top = bits - 1
+  decade = _full_like(cf, 10.0**-top)
+  for d in range(1, top + 1):
+    decade = jnp.where(k >= d, _full_like(cf, 10.0**(d - top)), decade)
+  value = decade * (0.1 + 0.9 * ((cf + 1.0) / _power_of_two(k) - 1.0))
+  return value * (c > 0).astype(jnp.float32)
+
+
+def _magnitude_codes(y: jax.Array, bits: int) -> jax.Array:
+  """The index of the dynamic magnitude nearest to ``y`` in [0, 1] (ties to the lower), by arithmetic.
+
+  The decade ``k`` counts the powers of ten below ``y``; within it the values
+  are evenly spaced, so the nearest is a rounding (``ceil(t - 1/2)`` rounds a
+  tie down); its lowest point is the previous decade's top value.
+  """
+  top = bits - 1
+  k = _compat.zeros_like(y).astype(jnp.int32)
+  for d in range(1, top + 1):
+    k = k + (y > np.float32(10.0**(d - top - 1))).astype(jnp.int32)
+  up = _full_like(y, 1.0)  # 10**(top - k): y * up lies in (0.1, 1]
+  for d in range(top):
+    up = jnp.where(k == d, _full_like(y, 10.0**(top - d)), up)
+  steps = _power_of_two(k)
+  j = jnp.clip(jnp.ceil((y * up - 0.1) / 0.9 * steps - 0.5), 0.0, steps).astype(jnp.int32)
+  in_decade = (1 << k) - 1 + j
+  # Decade 0 holds 0 and 10**-top only.
+  lowest = (y > np.float32(0.5 * 10.0**-top)).astype(jnp.int32)
+  return jnp.where(k >= 1, in_decade, lowest)
+
+
+def decode(codes: jax.Array, *, signed: bool) -> jax.Array:
+  """The code map's value of each uint8 code (:data:`SIGNED_MAP` / :data:`UNSIGNED_MAP`, to float32 rounding)."""
+  c = codes.astype(jnp.int32)
+  if not signed:
+    return _magnitude_values(c, 8)
+  positive = c >= 128
+  magnitude = _magnitude_values(jnp.where(positive, c - 128, 127 - c), 7)
+  return jnp.where(positive, magnitude, -magnitude)
+
+
+def encode(x: jax.Array, *, signed: bool) -> jax.Array:
+  """The uint8 code of the map value nearest to each ``x`` in [-1, 1] (unsigned: [0, 1]); ties to the lower code."""
+  if not signed:
+    return _magnitude_codes(x, 8).astype(jnp.uint8)
+  magnitude = _magnitude_codes(jnp.abs(x), 7)
+  return jnp.where(x > 0, 128 + magnitude, 127 - magnitude).astype(jnp.uint8)
+
+
+def dequantize(q: QuantizedMoment, *, signed: bool) -> jax.Array:
+  """The float32 values a quantized moment stands for."""
   last = q.codes.shape[-1]
-  return _from_blocks(_as_blocks(values) * q.scales[..., None], last)
+  return _from_blocks(_as_blocks(decode(q.codes, signed=signed)) * q.scales[..., None], last)
 
 
-def quantize(x: jax.Array, *, signed: bool, take=lookup) -> QuantizedMoment:
+def quantize(x: jax.Array, *, signed: bool) -> QuantizedMoment:
   """Quantizes float32 ``x`` (shape ``(..., L)``) block by block: scale = the block's largest magnitude."""
   blocks = _as_blocks(x.astype(jnp.float32))
   scales = jnp.max(jnp.abs(blocks), axis=-1)
   safe = scales + (scales == 0).astype(jnp.float32)  # an all-zero block divides by 1
-  codes = nearest_codes(blocks / safe[..., None], SIGNED_THRESHOLDS if signed else UNSIGNED_THRESHOLDS, take)
+  codes = encode(blocks / safe[..., None], signed=signed)
   return QuantizedMoment(_from_blocks(codes, x.shape[-1]), scales)
 
 
