@@ -103,7 +103,7 @@ def main(argv=None) -> None:
   args = parser.parse_args(argv)
   run = run_jax if args.framework == "jax" else run_torch
   who = "optax_hybrid.hybrid_adamw" if args.framework == "jax" else "torch.optim.AdamW / torchao AdamW8bit"
-  print(f"| task | optimizer | float32 moments | 8-bit moments | 8-bit vs float32 |")
+  print("| task | optimizer | float32 moments | 8-bit moments | 8-bit vs float32 |")
   print("|---|---|---:|---:|---:|")
   for name in ("quadratic", "regression"):
     full, eight = run(name, "float32"), run(name, "8bit")
