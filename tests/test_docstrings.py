@@ -35,3 +35,10 @@ def test_the_exported_functions_have_examples():
   for expected in ("optax_hybrid.transform.hybrid_adamw", "optax_hybrid.schedules.warmup_cosine_schedule",
                    "optax_hybrid.report.memory_report", "optax_hybrid.recipe.standard_optimizer"):
     assert expected in names, sorted(names)
+
+
+def test_no_example_is_skipped():
+  """A ``+SKIP`` directive would exempt an example from running."""
+  for name in MODULES:
+    source = open(importlib.util.find_spec(name).origin).read()
+    assert "doctest: +SKIP" not in source, f"{name} skips a docstring example: make it runnable"
