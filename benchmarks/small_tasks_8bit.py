@@ -89,7 +89,10 @@ def run_torch(name: str, moment_format: str) -> float:
   opt = kind(list(weights.values()), lr=PEAK_LR, weight_decay=0.0)
   for i, batch in enumerate(batches):
     for group in opt.param_groups:
-      group["lr"] = lr_at(i)
+      if torch.is_tensor(group["lr"]):  # torchao keeps the rate as a tensor
+        group["lr"].fill_(lr_at(i))
+      else:
+        group["lr"] = lr_at(i)
     opt.zero_grad()
     loss(batch).backward()
     opt.step()

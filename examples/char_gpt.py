@@ -506,7 +506,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
   print(report)
 
   # Donating model and optimizer together lets XLA update weights and moments
-  # in place (the README's donation advice: params and state as one).
+  # in place (the donation advice of docs/optimizer.md: params and state as one).
   @nnx.jit(donate_argnums=(0, 1))
   def train_step(model, optimizer, x, y):
     loss, grads = nnx.value_and_grad(cross_entropy)(model, x, y)

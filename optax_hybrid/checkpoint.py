@@ -14,10 +14,17 @@ into the checkpoint, and restored into the files of the ``like`` state.
 (``pip install "optax-hybrid[checkpoint]"``).
 
 Example:
-  >>> import optax_hybrid  # doctest: +SKIP
-  >>> manager = optax_hybrid.checkpoint.manager("/tmp/run/ckpt")  # doctest: +SKIP
-  >>> optax_hybrid.checkpoint.save(manager, step, {"params": params, "opt": opt_state})  # doctest: +SKIP
-  >>> restored = optax_hybrid.checkpoint.restore(manager, like={"params": params, "opt": opt_state})  # doctest: +SKIP
+  >>> import tempfile
+  >>> import jax, jax.numpy as jnp, optax_hybrid
+  >>> params = jax.device_put({"w": jnp.ones(3)}, jax.devices()[0])
+  >>> tx = optax_hybrid.hybrid_adamw(1e-3, state_memory_kind="pinned_host")
+  >>> opt_state = tx.init(params)
+  >>> manager = optax_hybrid.checkpoint.manager(tempfile.mkdtemp())
+  >>> optax_hybrid.checkpoint.save(manager, 0, {"params": params, "opt": opt_state}, wait=True)
+  True
+  >>> restored = optax_hybrid.checkpoint.restore(manager, like={"params": params, "opt": opt_state})
+  >>> restored["opt"].mu["w"].sharding.memory_kind
+  'pinned_host'
 """
 
 from __future__ import annotations

@@ -603,7 +603,7 @@ def standard_optimizer(
       ``hybrid_adamw`` does not take.
 
   Example:
-    >>> import jax.numpy as jnp, optax_hybrid
+    >>> import jax, jax.numpy as jnp, optax_hybrid
     >>> from optax_hybrid.recipe import standard_optimizer, last_learning_rate
     >>> params = {"body": {"kernel": jnp.ones((4, 4)), "bias": jnp.zeros(4)},
     ...           "head": {"kernel": jnp.ones((4, 2))}}
@@ -613,7 +613,7 @@ def standard_optimizer(
     >>> state = tx.init(params)
     >>> grads = {"body": {"kernel": jnp.ones((4, 4)), "bias": jnp.ones(4)},
     ...          "head": {"kernel": jnp.ones((4, 2))}}
-    >>> updates, state = tx.update(grads, state, params)
+    >>> updates, state = jax.jit(tx.update)(grads, state, params)
     >>> round(float(last_learning_rate(state)), 9)  # (0 + 1) / 50 * 3e-4
     6e-06
   """
@@ -692,7 +692,7 @@ def last_learning_rate(opt_state: Any) -> jax.Array:
     >>> from optax_hybrid.recipe import standard_optimizer, last_learning_rate
     >>> tx = standard_optimizer(1.0, total_steps=100, warmup=10, min_lr=0.1)
     >>> state = tx.init({"w": jnp.ones((2, 2))})
-    >>> _, state = tx.update({"w": jnp.ones((2, 2))}, state, {"w": jnp.ones((2, 2))})
+    >>> _, state = jax.jit(tx.update)({"w": jnp.ones((2, 2))}, state, {"w": jnp.ones((2, 2))})
     >>> float(jax.jit(last_learning_rate)(state))  # (0 + 1) / 10 * 1.0
     0.10000000149011612
   """
