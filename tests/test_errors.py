@@ -99,6 +99,7 @@ def manager_with_step_1():
 S = optax_hybrid.warmup_cosine_schedule
 TRIGGERS = {
     "schedule-total": lambda: S(1.0, total_steps=10, warmup_steps=10),
+    "schedule-total-too-large": lambda: S(1.0, total_steps=2**63),
     "schedule-warmup": lambda: S(1.0, total_steps=10, warmup_steps=-1),
     "schedule-peak": lambda: S(-1.0, total_steps=10),
     "schedule-eta-negative": lambda: S(1.0, total_steps=10, eta_min=-0.5),
