@@ -110,13 +110,18 @@ def _replace_entries(state: HybridAdamState, field: str, values: dict) -> Hybrid
   return state._replace(**{field: treedef.unflatten([values.get(i, x) for i, x in enumerate(leaves)])})
 
 
+def _files(plan: Plan, field: str) -> dict:
+  """``{leaf index: disk.DiskMoment}`` of a params-shaped ``field``'s disk-tier files."""
+  return {i: dict(leaf.files)[field] for i, leaf in enumerate(plan.leaves) if field in dict(leaf.files)}
+
+
 def _with_file_values(state: Any) -> Any:
   """A ``HybridAdamState`` with its disk-tier moments' values in place of their empty entries."""
   plan = _planned(state) if _is_state(state) else None
   if plan is None:
     return state
   for field in PARAMS_SHAPED_FIELDS:
-    files = {i: dict(leaf.files)[field] for i, leaf in enumerate(plan.leaves) if field in dict(leaf.files)}
+    files = _files(plan, field)
     if files:
       state = _replace_entries(state, field, {i: disk.read(moment) for i, moment in files.items()})
   return state
@@ -158,9 +163,12 @@ class _Saved:
     ocp = _orbax()
     metadata = checkpoint_manager.item_metadata(step)
     self.tree = getattr(metadata, "tree", metadata)
-    self.arrays = {tuple(str(k) for k in key): (tuple(value.shape), np.dtype(value.dtype))
-                   for key, value in ocp.tree.to_flat_dict(self.tree).items()
-                   if value is not None and hasattr(value, "shape")}
+    # Without tree metadata (an Orbax that keeps none) the checkpoint is taken
+    # to match like's masters, as before masters could change across a restore.
+    self.known = self.tree is not None
+    self.arrays = {} if not self.known else {
+        tuple(str(k) for k in key): (tuple(value.shape), np.dtype(value.dtype))
+        for key, value in ocp.tree.to_flat_dict(self.tree).items() if value is not None and hasattr(value, "shape")}
 
   def node(self, names: tuple) -> Any:
     """The saved subtree at ``names``, or None where there is none."""
@@ -183,11 +191,6 @@ def _placed_like(value: Any, like: Any) -> Any:
   return placement.placed_with(value, tuple(like.shape), like.dtype, sharding)
 
 
-def _files(plan: Plan, field: str) -> dict:
-  """``{leaf index: disk.DiskMoment}`` of a params-shaped ``field``'s disk-tier files."""
-  return {i: dict(leaf.files)[field] for i, leaf in enumerate(plan.leaves) if field in dict(leaf.files)}
-
-
 class _StateRestore:
   """How one ``HybridAdamState`` of ``like`` is restored: what Orbax reads for it, and what is made after.
 
@@ -195,7 +198,7 @@ class _StateRestore:
   leaf's moments are read into host memory and written into ``like``'s files;
   a master that ``like`` keeps and the checkpoint lacks is built from its
   restored param; a master the checkpoint has and ``like`` does not keep is
-  read, in the leaf's state memory, and dropped.
+  not read (its target is None).
   """
 
   def __init__(self, key_path: Any, like: HybridAdamState, plan: Plan, saved: _Saved):
@@ -203,13 +206,15 @@ class _StateRestore:
     self.like, self.plan = like, plan
     self.paths = [path for path, _ in jax.tree_util.tree_leaves_with_path(like.mu)]
     prefix = _names(key_path)
-    master_names = [prefix + ("master",) + _names(path) for path in self.paths]
-    # A state saved without master_dtype has no master tree at all.
-    self.saved_master_tree = isinstance(saved.node(prefix + ("master",)), (dict, list, tuple))
     kept = set() if like.master is None else set(range(len(plan.leaves))) - set(plan.empty_entries("master"))
-    in_checkpoint = {i: saved.arrays[name] for i, name in enumerate(master_names) if name in saved.arrays}
-    self.build_master = sorted(kept - set(in_checkpoint))
-    self.drop_master = {i: in_checkpoint[i] for i in sorted(set(in_checkpoint) - kept)}
+    if not saved.known:
+      self.saved_master_tree, self.build_master = like.master is not None, []
+      return
+    # A state saved without master_dtype has no master tree at all; Orbax
+    # needs the target's tree to be the saved one, with None where it reads nothing.
+    self.saved_master_tree = isinstance(saved.node(prefix + ("master",)), (dict, list, tuple))
+    self.build_master = [i for i in sorted(kept)
+                         if prefix + ("master",) + _names(self.paths[i]) not in saved.arrays]
 
   def missing_masters(self) -> list[str]:
     return [f"{self.where}.master{jax.tree_util.keystr(self.paths[i])}" for i in self.build_master]
@@ -223,14 +228,11 @@ class _StateRestore:
         state = _replace_entries(state, field, {i: np.zeros(m.shape, np.dtype(m.dtype)) for i, m in files.items()})
     if not self.saved_master_tree:
       state = state._replace(master=None)
-    elif self.drop_master:
-      if state.master is None:
-        state = state._replace(master=jax.tree.map(lambda _: None, self.like.mu))
-      mu = jax.tree.leaves(self.like.mu)
-      state = _replace_entries(state, "master", {
-          i: jax.ShapeDtypeStruct(shape, dtype, sharding=getattr(mu[i], "sharding", None))
-          for i, (shape, dtype) in self.drop_master.items()})
-    return jax.tree.map(lambda x: None if _is_empty(x) else x, state)
+    elif state.master is None:  # masters saved, none kept: a tree that reads nothing
+      state = state._replace(master=jax.tree.map(lambda _: None, self.like.mu))
+    elif self.build_master:  # none saved for these: they read nothing
+      state = _replace_entries(state, "master", {i: None for i in self.build_master})
+    return jax.tree.map(lambda x: None if _is_empty(x) else x, state)  # empty entries read nothing
 
   def finish(self, restored: HybridAdamState, params: dict) -> HybridAdamState:
     """The restored state in ``like``'s structure: files written, empty entries and built masters in place."""

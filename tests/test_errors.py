@@ -96,6 +96,15 @@ def manager_with_step_1():
   return manager
 
 
+def restore_masters(masters_from=None, params_like=PARAMS_BF16):
+  """Restores a checkpoint saved without master weights into a state that keeps them."""
+  manager = empty_manager()
+  optax_hybrid.checkpoint.save(manager, 1, {"params": PARAMS_BF16, "opt": hybrid().init(PARAMS_BF16)}, wait=True)
+  like = {"params": PARAMS_BF16, "opt": hybrid(master_dtype=jnp.float32).init(PARAMS_BF16)}
+  kw = {} if masters_from is None else {"masters_from": masters_from}
+  return optax_hybrid.checkpoint.restore(manager, like=like, **kw)
+
+
 S = optax_hybrid.warmup_cosine_schedule
 TRIGGERS = {
     "schedule-total": lambda: S(1.0, total_steps=10, warmup_steps=10),
@@ -191,6 +200,9 @@ TRIGGERS = {
     "checkpoint-not-dir": lambda: optax_hybrid.checkpoint.manager(tmp_file()),
     "checkpoint-none": lambda: optax_hybrid.checkpoint.restore(empty_manager(), like={"x": jnp.zeros(2)}),
     "checkpoint-step": lambda: optax_hybrid.checkpoint.restore(manager_with_step_1(), like={"x": jnp.zeros(2)}, step=7),
+    "checkpoint-master-missing": restore_masters,
+    "checkpoint-masters-from-param": lambda: restore_masters(lambda restored: {"w": restored["params"]["w"]}),
+    "checkpoint-masters-from-type": lambda: restore_masters("params"),
 }
 
 ROWS = table_rows()
