@@ -234,8 +234,8 @@ class _StateRestore:
       state = _replace_entries(state, "master", {i: None for i in self.build_master})
     return jax.tree.map(lambda x: None if _is_empty(x) else x, state)  # empty entries read nothing
 
-  def finish(self, restored: HybridAdamState, params: dict) -> HybridAdamState:
-    """The restored state in ``like``'s structure: files written, empty entries and built masters in place."""
+  def finish(self, restored: HybridAdamState, masters: dict) -> HybridAdamState:
+    """The restored state in ``like``'s structure: files written, empty entries and ``masters`` in place."""
     fields = {}
     for field in PARAMS_SHAPED_FIELDS:
       like_tree = getattr(self.like, field)
@@ -252,26 +252,31 @@ class _StateRestore:
           disk.write(files[i], np.asarray(value))
         if i in empty:
           value = _placed_like(None, like_entry)
-        elif field == "master" and i in self.build_master:
-          value = self._built_master(i, like_entry, params)
+        elif field == "master" and i in masters:
+          value = masters[i]
         elif value is None:  # a zero-size param's moments: nothing was saved
           value = _placed_like(None, like_entry)
         out.append(value)
       fields[field] = treedef.unflatten(out)
     return restored._replace(**fields)
 
-  def _built_master(self, i: int, like_entry: Any, params: dict) -> Any:
-    where = f"{self.where}.master{jax.tree_util.keystr(self.paths[i])}"
-    param = params.get(jax.tree_util.keystr(self.paths[i]))
-    if param is None or tuple(np.shape(param)) != tuple(like_entry.shape):
-      found = "no param" if param is None else f"a param of shape {tuple(np.shape(param))}"
-      raise ValueError(
-          f"checkpoint.restore: `masters_from` returned {found} at {jax.tree_util.keystr(self.paths[i])} "
-          f"for the master {where} (shape {tuple(like_entry.shape)}); it must return the params tree the "
-          "optimizer state was initialized with, e.g. masters_from=lambda restored: restored['params'].")
-    if isinstance(param, jax.Array) and not getattr(param, "is_fully_addressable", True):
-      return _placed_like(param, like_entry)
-    return _placed_like(np.asarray(jax.device_get(param)), like_entry)
+  def masters_from_params(self, params: dict) -> dict:
+    """``{leaf index: master}`` built from ``params`` (by path), or a ValueError naming the first that cannot be."""
+    masters = {}
+    like_masters = jax.tree.leaves(self.like.master) if self.build_master else []
+    for i in self.build_master:
+      path, like_entry = jax.tree_util.keystr(self.paths[i]), like_masters[i]
+      param = params.get(path)
+      if param is None or tuple(np.shape(param)) != tuple(like_entry.shape):
+        found = "no param" if param is None else f"a param of shape {tuple(np.shape(param))}"
+        raise ValueError(
+            f"checkpoint.restore: `masters_from` returned {found} at {path} for the master "
+            f"{self.where}.master{path} (shape {tuple(like_entry.shape)}); it must return the params tree the "
+            "optimizer state was initialized with, e.g. masters_from=lambda restored: restored['params'].")
+      if isinstance(param, jax.Array) and param.is_fully_addressable:
+        param = np.asarray(jax.device_get(param))  # converted on the host, as init converts host masters
+      masters[i] = _placed_like(param, like_entry)
+    return masters
 
 
 def restore(checkpoint_manager, like: Any, step: int | None = None, *,
@@ -351,9 +356,11 @@ def restore(checkpoint_manager, like: Any, step: int | None = None, *,
   if missing:
     params = {jax.tree_util.keystr(path): x
               for path, x in jax.tree_util.tree_leaves_with_path(masters_from(restored))}
+  # Every master is built (or refused) before any disk file is written.
+  masters = {j: r.masters_from_params(params) for j, r in states.items()}
   got = treedef.flatten_up_to(restored)
   restored = treedef.unflatten([
-      states[j].finish(value, params) if j in states else _placed_like(None, x) if _is_empty(x) else value
+      states[j].finish(value, masters[j]) if j in states else _placed_like(None, x) if _is_empty(x) else value
       for j, ((_, x), value) in enumerate(zip(entries, got))])
 
   def place(x, t):
