@@ -30,6 +30,7 @@ Example:
 
 from __future__ import annotations
 
+import math
 import os
 from typing import Any, Callable
 
@@ -127,16 +128,46 @@ def _with_file_values(state: Any) -> Any:
   return state
 
 
+# How to checkpoint a state whose disk-tier files its tree cannot name.
+_KEEP_THE_PLAN = (
+    "disk-tier moments, whose files only the optimizer state's plan names, and this tree leaves the plan out "
+    "(nnx.state(optimizer) does). Checkpoint the optimizer state itself, plan included: with Flax NNX, "
+    "{'model': nnx.state(model), 'opt_state': optimizer.opt_state, 'step': optimizer.step} (restore into "
+    "the same structure, then set optimizer.opt_state and optimizer.step from it).")
+
+
+def _in_moments(path: Any) -> bool:
+  """Whether a key path runs through a ``mu`` or ``nu`` field (before any ``master``)."""
+  fields = [name for name in _names(path) if name in PARAMS_SHAPED_FIELDS]
+  return bool(fields) and fields[0] in ("mu", "nu")
+
+
+def _unnamed_disk_moments(tree: Any) -> list[str]:
+  """Empty ``mu``/``nu`` entries outside a ``HybridAdamState`` whose plan names their files."""
+  return [jax.tree_util.keystr(path) for path, x in jax.tree_util.tree_leaves_with_path(tree, is_leaf=_is_state)
+          if _is_empty(x) and all(d == 0 for d in x.shape) and _in_moments(path)]
+
+
 def save(checkpoint_manager, step: int, tree: Any, *, wait: bool = False) -> bool:
   """Saves ``tree`` as checkpoint ``step``; returns whether a save was started.
 
   Saving is asynchronous: training continues while Orbax writes. Pass
   ``wait=True`` (or call ``checkpoint_manager.wait_until_finished()``) before
-  relying on the files. Disk-tier moments are read from their files into the
-  checkpoint; arrays with no elements (empty entries) are saved as nothing.
+  relying on the files. Disk-tier moments are read from their files (named
+  by the state's plan) into the checkpoint; other arrays with no elements
+  (empty entries) are saved as nothing.
+
+  Raises:
+    ValueError: if the tree holds disk-tier moments without the plan that
+      names their files (``nnx.state(optimizer)``): the message says what to
+      save instead.
   """
   ocp = _orbax()
   tree = jax.tree.map(_with_file_values, tree, is_leaf=_is_state)
+  unnamed = _unnamed_disk_moments(tree)
+  if unnamed:
+    raise ValueError(f"checkpoint.save: {', '.join(unnamed[:3])}{', ...' if len(unnamed) > 3 else ''} hold no "
+                     f"values: they are {_KEEP_THE_PLAN}")
   tree = jax.tree.map(lambda x: None if _is_empty(x) else x, tree)
   started = checkpoint_manager.save(int(step), args=ocp.args.StandardSave(tree))
   if wait:
@@ -312,7 +343,8 @@ def restore(checkpoint_manager, like: Any, step: int | None = None, *,
     FileNotFoundError: if there is no complete checkpoint (or not ``step``).
     ValueError: if ``like`` keeps master weights the checkpoint lacks and no
       ``masters_from`` is given, or ``masters_from`` does not return a param
-      of the right shape for one of them.
+      of the right shape for one of them; or if ``like`` holds disk-tier
+      moments without the plan that names their files (``nnx.state(optimizer)``).
     TypeError: if ``masters_from`` is not callable.
 
   Example:
@@ -349,6 +381,13 @@ def restore(checkpoint_manager, like: Any, step: int | None = None, *,
         "`like` keeps them. Pass masters_from=lambda restored: restored['params'] (a function of the restored "
         "tree that returns the params) to build each master from its restored param, as init does; or restore "
         "into a state made without master_dtype.")
+  # An empty array where the checkpoint holds values would drop them: disk-tier
+  # moments restored into a tree without their plan (nnx.state(optimizer)).
+  dropped = [jax.tree_util.keystr(path) for j, (path, x) in enumerate(entries)
+             if j not in states and _is_empty(x) and math.prod(saved.arrays.get(_names(path), ((0,), None))[0])]
+  if dropped:
+    raise ValueError(f"checkpoint.restore: the checkpoint holds values for {', '.join(dropped[:3])}"
+                     f"{', ...' if len(dropped) > 3 else ''}, where `like` has empty arrays: {_KEEP_THE_PLAN}")
   target = treedef.unflatten([states[j].target() if j in states else None if _is_empty(x) else x
                               for j, (_, x) in enumerate(entries)])
   restored = checkpoint_manager.restore(int(step), args=ocp.args.StandardRestore(target))

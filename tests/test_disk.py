@@ -173,3 +173,33 @@ def test_checkpoint_saves_and_restores_the_files(tmp_path):
   assert disk.files_of(resumed[1])["emb"] != disk.files_of(straight[1])["emb"]
   tx.close()
   tx2.close()
+
+
+def test_nnx_checkpoint_of_disk_moments_keeps_the_plan_or_is_refused(tmp_path):
+  pytest.importorskip("orbax.checkpoint")
+  nnx = pytest.importorskip("flax.nnx")
+
+  def make():
+    model = nnx.Linear(8, 4, rngs=nnx.Rngs(0))
+    return model, nnx.Optimizer(model, optax_hybrid.hybrid_adamw(1e-2, tiers="disk", nvme_offload_dir=tmp_path),
+                                wrt=nnx.Param)
+
+  model, optimizer = make()
+  grads = jax.tree.map(jnp.ones_like, nnx.state(model, nnx.Param))
+  step = nnx.jit(lambda model, optimizer, grads: optimizer.update(model, grads))
+  step(model, optimizer, grads)
+  manager = optax_hybrid.checkpoint.manager(tmp_path / "ckpt")
+  # nnx.state(optimizer) leaves out the plan that names the files: refused, not saved without the moments.
+  with pytest.raises(ValueError, match=r"hold no values: they are disk-tier moments.*'opt_state': optimizer\.opt_state"):
+    optax_hybrid.checkpoint.save(manager, 1, {"model": nnx.state(model), "optimizer": nnx.state(optimizer)})
+  checkpointed = lambda model, optimizer: {"model": nnx.state(model), "opt_state": optimizer.opt_state,
+                                           "step": optimizer.step}
+  optax_hybrid.checkpoint.save(manager, 1, checkpointed(model, optimizer), wait=True)
+  model2, optimizer2 = make()
+  restored = optax_hybrid.checkpoint.restore(manager, like=checkpointed(model2, optimizer2))
+  nnx.update(model2, restored["model"])
+  optimizer2.opt_state, optimizer2.step = restored["opt_state"], restored["step"]
+  step(model, optimizer, grads)
+  step(model2, optimizer2, grads)
+  np.testing.assert_array_equal(np.asarray(model2.kernel[...]), np.asarray(model.kernel[...]))
+  assert int(optimizer2.step[...]) == 2

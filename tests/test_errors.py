@@ -105,6 +105,17 @@ def restore_masters(masters_from=None, params_like=PARAMS_BF16):
   return optax_hybrid.checkpoint.restore(manager, like=like, **kw)
 
 
+def disk_state_without_its_plan(restore=False):
+  """A disk-tier state as a plain dict (as nnx.state gives it): the plan naming its files is left out."""
+  tx = hybrid(tiers="disk")
+  state = tx.init(PARAMS)
+  manager = empty_manager()
+  if not restore:
+    return optax_hybrid.checkpoint.save(manager, 1, {"opt": state._asdict()}, wait=True)
+  optax_hybrid.checkpoint.save(manager, 1, {"opt": state}, wait=True)
+  return optax_hybrid.checkpoint.restore(manager, like={"opt": tx.init(PARAMS)._asdict()})
+
+
 S = optax_hybrid.warmup_cosine_schedule
 TRIGGERS = {
     "schedule-total": lambda: S(1.0, total_steps=10, warmup_steps=10),
@@ -201,6 +212,8 @@ TRIGGERS = {
     "checkpoint-none": lambda: optax_hybrid.checkpoint.restore(empty_manager(), like={"x": jnp.zeros(2)}),
     "checkpoint-step": lambda: optax_hybrid.checkpoint.restore(manager_with_step_1(), like={"x": jnp.zeros(2)}, step=7),
     "checkpoint-master-missing": restore_masters,
+    "checkpoint-disk-without-plan": disk_state_without_its_plan,
+    "checkpoint-restore-disk-without-plan": lambda: disk_state_without_its_plan(restore=True),
     "checkpoint-masters-from-param": lambda: restore_masters(lambda restored: {"w": restored["params"]["w"]}),
     "checkpoint-masters-from-type": lambda: restore_masters("params"),
 }
