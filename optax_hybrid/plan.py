@@ -75,6 +75,11 @@ class LeafPlan:
       than the param (the update is gathered back to it); else None.
     stage: the streaming stage of a ``host_state`` or ``host`` leaf; 0 for
       others.
+    files: the disk tier's files, made by ``init``: ``(field, disk.DiskMoment)``
+      pairs, ``(("mu", ...), ("nu", ...))`` (with 8-bit moments the codes there and
+      the scales under ``"mu_scales"`` and ``"nu_scales"``); the state's fields hold an empty
+      entry there (:func:`optax_hybrid.placement.empty_entry`). ``()`` for
+      other tiers.
     runs_on: ``"host"`` where the update is computed in host compute (the
       host tier), else ``"device"`` (derived from the tier).
     on_disk: the moments are files (the disk tier).
@@ -96,6 +101,7 @@ class LeafPlan:
   gather_to: Any = None
   stage: int = 0
   quantized: bool = False
+  files: tuple = ()
 
   # Derived once from the tier (see __post_init__), read by every step.
   runs_on: str = dataclasses.field(init=False)
@@ -157,6 +163,19 @@ class Plan:
   def tiers(self) -> tuple[str, ...]:
     """Each leaf's tier."""
     return tuple(leaf.tier for leaf in self.leaves)
+
+  def empty_entries(self, field: str) -> tuple[int, ...]:
+    """The leaves (indices) that keep nothing in the state's params-shaped ``field``.
+
+    Their entry there is an empty array (:func:`optax_hybrid.placement.empty_entry`):
+    ``"master"`` for a leaf without a master copy, ``"mu_scales"`` and
+    ``"nu_scales"`` for a leaf without 8-bit moments, ``"mu"`` and ``"nu"``
+    (and the scales) for a disk-tier leaf (its moments are the files in
+    :attr:`LeafPlan.files`).
+    """
+    return tuple(i for i, leaf in enumerate(self.leaves)
+                 if (field == "master" and leaf.master_dtype is None)
+                 or (field in ("mu_scales", "nu_scales") and not leaf.quantized) or field in dict(leaf.files))
 
 
 def make_plan(params: Any, options: Options) -> Plan:

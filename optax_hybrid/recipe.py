@@ -227,6 +227,9 @@ def _parse_param_groups(param_groups: Any) -> list[_Rule]:
 
 def _label_params(rules: list[_Rule], tree: Any) -> Any:
   """The group label of each leaf (first matching rule wins), checking that every rule claims a leaf."""
+  if _compat.is_optax_params_placeholder(tree):
+    # optax.tree_utils.tree_map_params: no params to label, and none to claim.
+    return tree
   claimed = [0] * len(rules)
   matched = [0] * len(rules)
   paths = []
