@@ -354,10 +354,19 @@ def restore(checkpoint_manager, like: Any, step: int | None = None, *,
       moments without the plan that names their files (``nnx.state(optimizer)``).
     TypeError: if ``masters_from`` is not callable.
 
-  Example:
-    >>> restored = optax_hybrid.checkpoint.restore(  # doctest: +SKIP
+  Example: turning master weights on mid-run.
+
+    >>> import tempfile, jax.numpy as jnp, optax_hybrid
+    >>> params = {"w": jnp.ones((2, 2), jnp.bfloat16)}
+    >>> manager = optax_hybrid.checkpoint.manager(tempfile.mkdtemp())
+    >>> tx = optax_hybrid.hybrid_adamw(1e-3)
+    >>> saved = optax_hybrid.checkpoint.save(manager, 1, {"params": params, "opt": tx.init(params)}, wait=True)
+    >>> tx_with_master = optax_hybrid.hybrid_adamw(1e-3, master_dtype=jnp.float32)
+    >>> restored = optax_hybrid.checkpoint.restore(
     ...     manager, like={"params": params, "opt": tx_with_master.init(params)},
     ...     masters_from=lambda restored: restored["params"])
+    >>> restored["opt"].master["w"].dtype
+    dtype('float32')
   """
   ocp = _orbax()
   if step is None:
