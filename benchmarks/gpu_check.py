@@ -7,7 +7,10 @@
    float64 NumPy model of AdamW, over several steps with a schedule, on a tree
    with odd sizes, a scalar, an empty leaf, fp32 and bf16 params (fp32 moments),
    both memory kinds; the compiled step's Triton launches and its in-place
-   aliasing.
+   aliasing. With 8-bit moments (``moment_format="8bit"``), step by step from
+   the same state: Pallas against the XLA rule and against the float64 model
+   (codes may differ by one at near ties: at most 0.1% of them), one launch,
+   no float32 copy of the moments among the temporaries.
 2. Copy bandwidth: a jitted device-to-device copy of 1 GiB (8 B per element).
 3. A sweep of the kernel's block size and warps on one 256M-param leaf.
 4. Step time on 1 leaf of 256M params, 1024 leaves of 64K and the GPT-2-small
@@ -16,8 +19,9 @@
    torch sees the GPU. JAX steps run ``--steps`` at a time inside one jitted
    ``fori_loop`` (device time, no Python dispatch); torch's are launched
    back to back and synchronized once. Medians of ``--reps`` rounds,
-   interleaved. GB/s counts the 28 bytes per param an fp32 step must move;
-   "of copy" divides it by section 2's bandwidth.
+   interleaved. GB/s counts the bytes per param a step must move: 28 for
+   fp32 moments, 16.06 for 8-bit ones (the ``8-bit moments`` rows, against
+   the fp32 rows above them); "of copy" divides it by section 2's bandwidth.
 5. Placement tiers on ~1B bf16 params (fp32 master and moments): device
    memory by tier from ``compiled.memory_analysis()`` (device and ``host_*``
    fields), step time per tier, the device<->host copy bandwidth measured in
@@ -48,10 +52,13 @@ sys.path.insert(0, os.path.join(HERE, os.pardir, "tests"))  # the float64 model
 import optax_hybrid  # noqa: E402
 from optax_hybrid import placement  # noqa: E402
 from optax_hybrid.kernels import LeafFacts, LeafOperands, Rule, pallas_gpu, reference  # noqa: E402
-from numpy_reference import adamw_steps, colossal_lr  # noqa: E402
+from numpy_reference import adamw_step_8bit, adamw_steps, colossal_lr  # noqa: E402
 from step import gpt2_small_shapes  # noqa: E402  (benchmarks/step.py)
 
 BYTES_PER_PARAM = 28
+# An fp32 step with 8-bit moments: p read and written, g read, 1-byte codes of m and v read and
+# written, and a 4-byte scale per 256 values of each, read and written.
+BYTES_PER_PARAM_8BIT = 4 + 4 + 4 + 2 * 2 * (1 + 4 / 256)
 LR, WD = 1e-3, 0.1
 FAILURES: list[str] = []
 
@@ -137,6 +144,78 @@ def correctness(block: int, smoke: bool = False) -> None:
           f"temp {temp / 2**20:.2f} MiB vs {state_bytes / 2**20:.2f} MiB of p, m, v")
 
 
+def code_differences(got, want) -> tuple[int, int]:
+  """How many 8-bit codes differ, and by how much at most."""
+  diff = np.abs(np.asarray(got, np.int64) - np.asarray(want, np.int64))
+  return int(np.count_nonzero(diff)), int(diff.max(initial=0))
+
+
+def correctness_8bit(smoke: bool = False) -> None:
+  """8-bit moments: Pallas against the XLA rule and the float64 model, one step at a time from the same state.
+
+  Codes may differ by one where the value lies at a threshold between two codes (float32
+  rounding, and Triton's division, may fall either way): at most 0.1% of them, by one.
+  """
+  rng = np.random.default_rng(1)
+  # "w": whole 256-value blocks (the kernel's); "odd": rows ending in a shorter block (the
+  # reference rule's, in the same step); "b": too small to quantize (float32 moments).
+  shapes = {"w": (16, 512) if smoke else (1000, 768), "odd": (40, 300), "b": (129,)}
+  steps = 2 if smoke else 6
+  sched = optax_hybrid.warmup_cosine_schedule(1e-2, 8, 2, 1e-3)
+  params = jax.device_put({k: jnp.asarray(rng.normal(size=s), jnp.float32) for k, s in shapes.items()},
+                          jax.devices()[0])
+  grads = [{k: jnp.asarray(rng.normal(size=s), jnp.float32) for k, s in shapes.items()} for _ in range(steps)]
+  txs = {k: optax_hybrid.hybrid_adamw(sched, weight_decay=WD, moment_format="8bit", kernel=k, skip_nonfinite=True)
+         for k in ("pallas", "xla")}
+  # The state's plan names the kernel: each optimizer gets the same arrays in its own state.
+  structures = {k: jax.tree.structure(tx.init(params)) for k, tx in txs.items()}
+  state_of = lambda k, state: jax.tree.unflatten(structures[k], jax.tree.leaves(state))
+  jitted = {k: jax.jit(tx.step) for k, tx in txs.items()}
+  # The model takes the hyperparameters as the step holds them: float32.
+  f32 = lambda x: float(np.float32(x))
+  f64 = lambda x: np.asarray(x, np.float64)
+  p, s = params, txs["xla"].init(params)
+  worst = {"xla": 0.0, "model": 0.0}
+  differing = {"xla": 0, "model": 0}
+  largest = {"xla": 0, "model": 0}
+  codes = {"xla": 0, "model": 0}
+  for t, g in enumerate(grads, start=1):
+    (p_pal, s_pal), (p_xla, s_xla) = jitted["pallas"](p, state_of("pallas", s), g), jitted["xla"](p, s, g)
+    want_p, (m_codes, m_scales), (v_codes, v_scales) = adamw_step_8bit(
+        f64(g["w"]), f64(p["w"]), f64(s.mu["w"]), f64(s.mu_scales["w"]), f64(s.nu["w"]), f64(s.nu_scales["w"]),
+        lr=f32(sched(t - 1)), t=t, b1=f32(0.9), b2=f32(0.999), eps=f32(1e-8), weight_decay=f32(WD))
+    pairs = {"xla": [(p_pal[k], p_xla[k], 1e-5, 1e-6) for k in shapes]
+                    + [(getattr(s_pal, f)[k], getattr(s_xla, f)[k], 1e-5, 1e-12)
+                       for f in ("mu_scales", "nu_scales") for k in ("w", "odd")],
+             "model": [(p_pal["w"], want_p, 2e-5, 2e-6), (s_pal.mu_scales["w"], m_scales, 1e-5, 1e-12),
+                       (s_pal.nu_scales["w"], v_scales, 1e-5, 1e-12)]}
+    code_pairs = {"xla": [(getattr(s_pal, f)[k], getattr(s_xla, f)[k]) for f in ("mu", "nu") for k in ("w", "odd")],
+                  "model": [(s_pal.mu["w"], m_codes), (s_pal.nu["w"], v_codes)]}
+    for against in pairs:
+      worst[against] = max([worst[against]] + [excess(*pair) for pair in pairs[against]])
+      for got, want in code_pairs[against]:
+        n, most = code_differences(got, want)
+        differing[against] += n
+        largest[against] = max(largest[against], most)
+        codes[against] += int(np.size(want))
+    p, s = p_xla, s_xla
+  for against, name in (("xla", "the XLA rule"), ("model", "the float64 model")):
+    ok = worst[against] <= 1 and largest[against] <= 1 and differing[against] <= 1e-3 * codes[against]
+    check(f"8-bit moments: pallas == {name}, {steps} steps", ok,
+          f"params and scales error / tolerance {worst[against]:.2f}; codes differing {differing[against]} of "
+          f"{codes[against]}, by at most {largest[against]}")
+  # What XLA was given: one launch for the kernel's leaves, and no float32 copy of the moments.
+  lowered = jitted["pallas"].lower(p, state_of("pallas", s), grads[0])
+  on_gpu = jax.default_backend() == "gpu"
+  launches = pallas_gpu.gpu_launches(lowered.as_text())
+  check("8-bit moments: one Triton launch", launches == (1 if on_gpu else 0), f"{launches} launches")
+  if on_gpu:
+    temp = lowered.compile().memory_analysis().temp_size_in_bytes
+    n = sum(int(np.prod(x)) for x in shapes.values())
+    check("8-bit moments: temporaries well under the 4 B/param of one float32 moment", temp < 0.5 * n,
+          f"temp {temp / n:.3f} B/param")
+
+
 # --- 2. copy bandwidth ---------------------------------------------------------
 
 def timed(fn, reps):
@@ -192,8 +271,9 @@ def block_sweep(n: int, reps: int, bandwidth: float, configs) -> None:
 class JaxLoop:
   """``steps`` donated steps inside one jitted fori_loop."""
 
-  def __init__(self, name, shapes, step_fn, init_fn, steps):
+  def __init__(self, name, shapes, step_fn, init_fn, steps, bytes_per_param=BYTES_PER_PARAM):
     self.name = name
+    self.bytes_per_param = bytes_per_param
     device = jax.devices()[0]
     self.params = jax.device_put({k: jnp.full(s, 0.5, jnp.float32) for k, s in shapes.items()}, device)
     self.grads = jax.device_put({k: jnp.full(s, 1e-3, jnp.float32) for k, s in shapes.items()}, device)
@@ -219,6 +299,7 @@ class TorchLoop:
     import torch
     self.torch = torch
     self.name = "torch AdamW(fused=True)"
+    self.bytes_per_param = BYTES_PER_PARAM
     self.params = [torch.full(s, 0.5, device="cuda", requires_grad=True) for s in shapes.values()]
     for p in self.params:
       p.grad = torch.full(p.shape, 1e-3, device="cuda")
@@ -255,6 +336,10 @@ def step_variants(shapes, steps, torch_ok, host_moments):
                                                         steps))
     out.append(lambda kernel=kernel, contract=contract, ours=ours: JaxLoop(
         f"ours {kernel}, update+apply", shapes, contract, ours.init, steps))
+  for kernel in ("pallas", "xla"):
+    ours = optax_hybrid.hybrid_adamw(LR, weight_decay=WD, kernel=kernel, moment_format="8bit")
+    out.append(lambda ours=ours, kernel=kernel: JaxLoop(f"ours {kernel}, 8-bit moments, tx.step", shapes, ours.step,
+                                                        ours.init, steps, BYTES_PER_PARAM_8BIT))
   if host_moments:
     ours = optax_hybrid.hybrid_adamw(LR, weight_decay=WD, kernel="pallas", state_memory_kind="pinned_host")
     out.append(lambda ours=ours: JaxLoop("ours pallas, pinned_host moments, tx.step", shapes, ours.step, ours.init,
@@ -280,12 +365,13 @@ def step_table(tree_name, shapes, reps, steps, bandwidth, torch_ok, host_moments
   for v in built:
     v.close()
   med = {k: statistics.median(t) for k, t in times.items()}
+  floor = {v.name: v.bytes_per_param for v in built}
   torch_name = "torch AdamW(fused=True)"
-  print(f"| {'variant':<42} | {'ms':>8} | {'GB/s @28B':>9} | {'of copy':>7} | {'optax/ours':>10} | "
+  print(f"| {'variant':<42} | {'ms':>8} | {'GB/s':>9} | {'of copy':>7} | {'optax/ours':>10} | "
         f"{'torch/ours':>10} |")
   print(f"|{'-' * 44}|{'-' * 10}|{'-' * 11}|{'-' * 9}|{'-' * 12}|{'-' * 12}|")
   for name, t in med.items():
-    gbs = n_params * BYTES_PER_PARAM / t / 1e9
+    gbs = n_params * floor[name] / t / 1e9
     vs_torch = f"{med[torch_name] / t:10.2f}" if torch_name in med else f"{'-':>10}"
     print(f"| {name:<42} | {t * 1e3:8.3f} | {gbs:9.1f} | {gbs / bandwidth:7.2f} | {med['optax.adamw'] / t:10.2f} | "
           f"{vs_torch} |", flush=True)
@@ -392,6 +478,7 @@ def main(argv=None):
   # GPU time is scarce: a section that raises is reported as a failure and the
   # next one still runs, so one call yields every figure it can.
   guarded(lambda: correctness(pallas_gpu.BLOCK_SIZE if not smoke else 64, smoke), "correctness")
+  guarded(lambda: correctness_8bit(smoke), "8-bit correctness")
 
   print("\n## 2. copy bandwidth", flush=True)
   bandwidth = guarded(lambda: copy_bandwidth(2**14 if smoke else 2**28, reps), "copy bandwidth") or float("nan")

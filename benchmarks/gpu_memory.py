@@ -75,6 +75,15 @@ STEP_SETUPS = {
     "host bf16": (jnp.bfloat16, SETUPS["host"][1]),
     "offload_fraction=0.5 bf16": (jnp.bfloat16, lambda: optax_hybrid.hybrid_adamw(
         1e-4, weight_decay=0.1, offload_fraction=0.5, kernel="xla", **F32)),
+    # 8-bit block-wise moments (moment_format="8bit"), fp32 master.
+    "device bf16 8bit xla": (jnp.bfloat16, lambda: optax_hybrid.hybrid_adamw(
+        1e-4, weight_decay=0.1, tiers="device", kernel="xla", moment_format="8bit", master_dtype=jnp.float32)),
+    "device bf16 8bit pallas": (jnp.bfloat16, lambda: optax_hybrid.hybrid_adamw(
+        1e-4, weight_decay=0.1, tiers="device", kernel="pallas", moment_format="8bit", master_dtype=jnp.float32)),
+    "host_state bf16 8bit": (jnp.bfloat16, lambda: optax_hybrid.hybrid_adamw(
+        1e-4, weight_decay=0.1, tiers="host_state", kernel="xla", moment_format="8bit", master_dtype=jnp.float32)),
+    "host bf16 8bit": (jnp.bfloat16, lambda: optax_hybrid.hybrid_adamw(
+        1e-4, weight_decay=0.1, tiers="host", kernel="xla", moment_format="8bit", master_dtype=jnp.float32)),
 }
 
 
@@ -257,6 +266,7 @@ def step_figures(setup: str, scale: float, target: str, inputs: str) -> dict:
   n = num_params(params)
   return dict(setup=setup, params=n, kernels=report.kernels, triton=report.triton_launches,
               transfers=report.transfers, host_calls=report.host_calls, bytes_per_param=report.kernel_bytes / n,
+              transfer_per_param=report.transfer_bytes / n,
               device_per_param=report.device_peak_bytes / n, host_per_param=report.host_peak_bytes / n,
               device_temp_per_param=report.device_temp_bytes / n, host_temp_per_param=report.host_temp_bytes / n,
               warnings=len(report.warnings))
@@ -311,14 +321,15 @@ def step_table(args) -> list[dict]:
   print(f"\nThe optimizer step alone, GPT-2-small shapes x {args.scale} ({n / 1e6:.1f}M params), "
         f"{args.inputs} inputs, compiled for {args.target.upper()}; compile-time figures, jax {jax.__version__}. "
         "B/param: bytes the kernels read and write (floor for fp32 AdamW: 28), device and host peak, temps:\n")
-  print("| setup | kernels | Triton | transfers | host calls | kernel B/param | device B/param | host B/param "
-        "| device temp | host temp | fallback warnings |")
-  print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+  print("| setup | kernels | Triton | transfers | bus B/param | host calls | kernel B/param | device B/param "
+        "| host B/param | device temp | host temp | fallback warnings |")
+  print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
   for r in rows:
     if "error" in r:
-      print(f"| {r['setup']} | {r['error'][:200]} |||||||||")
+      print(f"| {r['setup']} | {r['error'][:200]} ||||||||||")
       continue
-    print(f"| {r['setup']} | {r['kernels']} | {r['triton']} | {r['transfers']} | {r['host_calls']} | "
+    print(f"| {r['setup']} | {r['kernels']} | {r['triton']} | {r['transfers']} | {r['transfer_per_param']:.2f} | "
+          f"{r['host_calls']} | "
           f"{r['bytes_per_param']:.1f} | {r['device_per_param']:.2f} | {r['host_per_param']:.2f} | "
           f"{r['device_temp_per_param']:.2f} | {r['host_temp_per_param']:.2f} | {r['warnings']} |")
   return rows

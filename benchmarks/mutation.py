@@ -10,7 +10,8 @@ dropped ``not``, ...), is written into a scratch copy of the repository, and
 the module's targeted tests run against it (``pytest -x``, Hypothesis without
 shrinking). A mutant is *killed* when a test fails (or the run times out),
 *survives* otherwise. Docstrings, error messages and other strings are not
-mutated. Single process, on purpose: CPU time is scarce where this runs.
+mutated. Single process, on purpose: CPU time is scarce where this runs (so
+``-n 0``: no pytest-xdist workers, which pyproject.toml asks for by default).
 
 The report lists the survivors with their line, so each can be killed by a
 new test or explained. Not part of CI: a full run takes about 30 minutes on a
@@ -203,7 +204,8 @@ def run_mutant(mutant: Mutant, work: str, tests: list[str], timeout: float) -> t
   with open(dest, "w") as f:
     f.write(mutant.source)
   env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=work, PYTHONDONTWRITEBYTECODE="1")
-  cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "--hypothesis-profile=mutation", *tests]
+  cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-n", "0", "-p", "no:cacheprovider", "--hypothesis-profile=mutation",
+         *tests]
   start = time.monotonic()
   try:
     result = subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True, timeout=timeout)

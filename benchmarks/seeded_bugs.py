@@ -7,8 +7,9 @@ The repository itself is never modified: each bug is applied to a fresh copy
 (in a temporary directory) by an exact text replacement, which must match, so
 a refactoring that moves the code makes this script fail loudly instead of
 testing nothing. The native kernel is rebuilt in the copy when a bug changes
-it. Each bug runs the tests listed with it (the property test after
-test_char_gpt.py, as a full suite orders them) and prints the failing tests.
+it. Each bug runs the tests listed with it as CI runs the suite (pyproject's
+options: two pytest-xdist workers, each running whole files) and prints the
+failing tests.
 The table it prints is recorded in docs/testing.md.
 """
 

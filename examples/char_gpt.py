@@ -431,6 +431,9 @@ def make_parser() -> argparse.ArgumentParser:
       help="where the Adam moments live between steps (default pinned_host)")
   add("--kernel", choices=("auto", "xla", "native", "pallas"), default="auto",
       help="hybrid_adamw's update kernel (default auto; pallas off a GPU runs interpreted: slow)")
+  add("--moment-format", choices=("float32", "bfloat16", "8bit"), default=None,
+      help="how the Adam moments are stored (default: in the params' dtype, float32); 8bit: block-wise "
+           "8-bit codes and scales, 2.03 bytes per weight for both moments")
   add("--out-dir", default=None,
       help="run folder (default runs/char_gpt-<timestamp> under the current directory)")
   add("--sample-chars", type=nonnegative_int, default=200,
@@ -489,7 +492,8 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
   # Host-resident moments are committed to their device; committing the
   # weights too gives the jitted step one signature from its first call.
   nnx.update(model, jax.device_put(nnx.state(model), jax.devices()[0]))
-  tx = standard_optimizer(args.lr, args.steps, state_memory_kind=args.placement, kernel=args.kernel)
+  tx = standard_optimizer(args.lr, args.steps, state_memory_kind=args.placement, kernel=args.kernel,
+                          moment_format=args.moment_format)
   optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
   # nnx.Optimizer makes its step counter uncommitted while the jitted step
   # returns it committed: left so, the second call would compile the step again.
@@ -502,7 +506,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
   print(report)
 
   # Donating model and optimizer together lets XLA update weights and moments
-  # in place (the README's donation advice: params and state as one).
+  # in place (the donation advice of docs/optimizer.md: params and state as one).
   @nnx.jit(donate_argnums=(0, 1))
   def train_step(model, optimizer, x, y):
     loss, grads = nnx.value_and_grad(cross_entropy)(model, x, y)
@@ -570,7 +574,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
   summary = {
       "steps": args.steps, "batch_size": args.batch_size, "seq_len": args.seq_len, "layers": args.layers,
       "d_model": args.d_model, "heads": args.heads, "lr": args.lr, "seed": args.seed,
-      "placement": args.placement, "kernel": args.kernel,
+      "placement": args.placement, "kernel": args.kernel, "moment_format": args.moment_format,
       "corpus": {"source": corpus.source, "train_files": len(corpus.train_files),
                  "val_files": len(corpus.val_files), "train_chars": int(len(train_ids)),
                  "val_chars": int(len(val_ids)), "vocab_size": len(vocab)},

@@ -8,7 +8,9 @@ Public API:
 * :func:`scale_by_hybrid_adam`: the same step without the learning rate.
 * :class:`HybridAdamW`: what ``hybrid_adamw`` returns; adds the fused
   ``step(params, state, grads)``.
-* :class:`HybridAdamState`: its state (``count``, ``mu``, ``nu``, ``skipped``).
+* :class:`HybridAdamState`: its state (``count``, ``mu``, ``nu``, ``skipped``, ...).
+* :func:`moment_values`: the Adam moments as float trees shaped like the params
+  (8-bit moments dequantized, disk moments read).
 * :func:`apply_updates`: ``optax.apply_updates`` that is correct for params in
   any memory kind.
 * :func:`host_arithmetic_outside_host_compute`: finds device arithmetic on
@@ -37,7 +39,7 @@ from optax_hybrid.placement import (
 from optax_hybrid.recipe import last_learning_rate, standard_optimizer
 from optax_hybrid.report import MemoryReport, memory_report
 from optax_hybrid.schedules import warmup_cosine_schedule
-from optax_hybrid.transform import HybridAdamState, HybridAdamW, hybrid_adamw, scale_by_hybrid_adam
+from optax_hybrid.transform import HybridAdamState, HybridAdamW, hybrid_adamw, moment_values, scale_by_hybrid_adam
 
 __version__ = "0.1.0"
 
@@ -51,6 +53,7 @@ __all__ = [
     "disk",
     "last_learning_rate",
     "memory_report",
+    "moment_values",
     "plan",
     "recipe",
     "report",

@@ -1,6 +1,7 @@
 """JAX version shims: every difference between the supported JAX releases lives here.
 
-Supported: JAX 0.10.x and 0.11.x. Nothing else in the package imports from
+Supported: JAX 0.10.x and 0.11.x (and the one private Optax name the package
+reads, :func:`is_optax_params_placeholder`). Nothing else in the package imports from
 ``jax.experimental.compute_on`` or reads memory spaces off abstract values.
 """
 
@@ -148,6 +149,22 @@ def lowering_platforms_declared() -> tuple[str, ...] | None:
 
 
 _UINT_OF_SIZE = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+
+
+def is_optax_params_placeholder(tree: Any) -> bool:
+  """Whether ``tree`` is the stand-in for params that ``optax.tree_utils.tree_map_params`` gives ``init``.
+
+  Optax keeps its class private (``optax.tree_utils._state_utils._ParamsPlaceholder``,
+  optax 0.1.7 to 0.2.x), and ``optax.masked`` tests for it the same way.
+  """
+  try:
+    from optax.tree_utils import _state_utils
+  except ImportError:  # pragma: no cover - a future Optax
+    return type(tree).__name__ == "_ParamsPlaceholder"
+  placeholder = getattr(_state_utils, "_ParamsPlaceholder", None)
+  if placeholder is None:  # pragma: no cover - a future Optax
+    return type(tree).__name__ == "_ParamsPlaceholder"
+  return isinstance(tree, placeholder)
 
 
 def zeros_like(x: Any) -> Any:

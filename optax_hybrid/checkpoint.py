@@ -9,27 +9,46 @@ host offloading; these helpers make that impossible.
 Orbax writes each step into a temporary directory and renames it when done, so
 a save interrupted midway (a killed process) leaves the previous checkpoint
 restorable. Disk-tier moments are saved too: their files' contents are read
-into the checkpoint, and restored into the files of the ``like`` state.
+into the checkpoint, and restored into the files of the ``like`` state. Empty
+entries (:func:`optax_hybrid.placement.empty_entry`; Orbax cannot write arrays
+with no elements) are saved as nothing and made again from ``like``.
+
+The state restored into may be placed differently from the one saved: another
+tier, memory kind or mesh (each leaf takes ``like``'s sharding), with or
+without master weights. A master that ``like`` has and the checkpoint lacks is
+built from the restored params (``masters_from``), as ``init`` builds it; one
+the checkpoint has and ``like`` lacks is dropped.
 ``orbax-checkpoint`` is an optional dependency
 (``pip install "optax-hybrid[checkpoint]"``).
 
 Example:
-  >>> import optax_hybrid  # doctest: +SKIP
-  >>> manager = optax_hybrid.checkpoint.manager("/tmp/run/ckpt")  # doctest: +SKIP
-  >>> optax_hybrid.checkpoint.save(manager, step, {"params": params, "opt": opt_state})  # doctest: +SKIP
-  >>> restored = optax_hybrid.checkpoint.restore(manager, like={"params": params, "opt": opt_state})  # doctest: +SKIP
+  >>> import tempfile
+  >>> import jax, jax.numpy as jnp, optax_hybrid
+  >>> params = jax.device_put({"w": jnp.ones(3)}, jax.devices()[0])
+  >>> tx = optax_hybrid.hybrid_adamw(1e-3, state_memory_kind="pinned_host")
+  >>> opt_state = tx.init(params)
+  >>> manager = optax_hybrid.checkpoint.manager(tempfile.mkdtemp())
+  >>> optax_hybrid.checkpoint.save(manager, 0, {"params": params, "opt": opt_state}, wait=True)
+  True
+  >>> restored = optax_hybrid.checkpoint.restore(manager, like={"params": params, "opt": opt_state})
+  >>> restored["opt"].mu["w"].sharding.memory_kind
+  'pinned_host'
 """
 
 from __future__ import annotations
 
+import math
 import os
-from typing import Any
+from typing import Any, Callable
 
 import jax
+import numpy as np
 
-from optax_hybrid import _compat, disk
+from optax_hybrid import _compat, disk, placement
+from optax_hybrid.plan import Plan
+from optax_hybrid.transform import PARAMS_SHAPED_FIELDS, HybridAdamState
 
-_is_disk = lambda x: isinstance(x, disk.DiskMoment)
+_is_state = lambda x: isinstance(x, HybridAdamState)
 
 
 def _orbax():
@@ -80,24 +99,240 @@ def manager(directory: str | os.PathLike, *, max_to_keep: int | None = 3, save_i
   return ocp.CheckpointManager(directory, options=options)
 
 
+def _is_empty(x: Any) -> bool:
+  """An array (or its description) with no elements: nothing for Orbax to write."""
+  return isinstance(x, (jax.Array, jax.ShapeDtypeStruct, np.ndarray)) and x.size == 0
+
+
+def _planned(state: Any) -> Plan | None:
+  """The plan of a ``HybridAdamState`` whose params-shaped fields fit it, else None."""
+  plan = state.plan
+  if not isinstance(plan, Plan) or len(jax.tree.leaves(state.mu)) != len(plan.leaves):
+    return None
+  return plan
+
+
+def _replace_entries(state: HybridAdamState, field: str, values: dict) -> HybridAdamState:
+  """``state`` with the entries ``{leaf index: value}`` of params-shaped ``field`` replaced."""
+  leaves, treedef = jax.tree.flatten(getattr(state, field))
+  return state._replace(**{field: treedef.unflatten([values.get(i, x) for i, x in enumerate(leaves)])})
+
+
+def _files(plan: Plan, field: str) -> dict:
+  """``{leaf index: disk.DiskMoment}`` of a params-shaped ``field``'s disk-tier files."""
+  return {i: dict(leaf.files)[field] for i, leaf in enumerate(plan.leaves) if field in dict(leaf.files)}
+
+
+def _with_file_values(state: Any) -> Any:
+  """A ``HybridAdamState`` with its disk-tier moments' values in place of their empty entries."""
+  plan = _planned(state) if _is_state(state) else None
+  if plan is None:
+    return state
+  for field in PARAMS_SHAPED_FIELDS:
+    files = _files(plan, field)
+    if files:
+      state = _replace_entries(state, field, {i: disk.read(moment) for i, moment in files.items()})
+  return state
+
+
+# How to checkpoint a state whose disk-tier files its tree cannot name.
+_KEEP_THE_PLAN = (
+    "disk-tier moments, whose files only the optimizer state's plan names, and this tree leaves the plan out "
+    "(nnx.state(optimizer) does). Checkpoint the optimizer state itself, plan included: with Flax NNX, "
+    "{'model': nnx.state(model), 'opt_state': optimizer.opt_state, 'step': optimizer.step} (restore into "
+    "the same structure, then set optimizer.opt_state and optimizer.step from it).")
+
+
+def _in_moments(path: Any) -> bool:
+  """Whether a key path runs through a ``mu`` or ``nu`` field (before any ``master``)."""
+  fields = [name for name in _names(path) if name in PARAMS_SHAPED_FIELDS]
+  return bool(fields) and fields[0] in ("mu", "nu")
+
+
+def _unnamed_disk_moments(tree: Any) -> list[str]:
+  """Empty ``mu``/``nu`` entries outside a ``HybridAdamState`` whose plan names their files."""
+  return [jax.tree_util.keystr(path) for path, x in jax.tree_util.tree_leaves_with_path(tree, is_leaf=_is_state)
+          if _is_empty(x) and all(d == 0 for d in x.shape) and _in_moments(path)]
+
+
 def save(checkpoint_manager, step: int, tree: Any, *, wait: bool = False) -> bool:
   """Saves ``tree`` as checkpoint ``step``; returns whether a save was started.
 
   Saving is asynchronous: training continues while Orbax writes. Pass
   ``wait=True`` (or call ``checkpoint_manager.wait_until_finished()``) before
-  relying on the files.
+  relying on the files. Disk-tier moments are read from their files (named
+  by the state's plan) into the checkpoint; other arrays with no elements
+  (empty entries) are saved as nothing.
+
+  Raises:
+    ValueError: if the tree holds disk-tier moments without the plan that
+      names their files (``nnx.state(optimizer)``): the message says what to
+      save instead.
   """
   ocp = _orbax()
-  # A disk-tier moment is a file name in the state: save its contents.
-  tree = jax.tree.map(lambda x: disk.read(x) if _is_disk(x) else x, tree, is_leaf=_is_disk)
+  tree = jax.tree.map(_with_file_values, tree, is_leaf=_is_state)
+  unnamed = _unnamed_disk_moments(tree)
+  if unnamed:
+    raise ValueError(f"checkpoint.save: {', '.join(unnamed[:3])}{', ...' if len(unnamed) > 3 else ''} hold no "
+                     f"values: they are {_KEEP_THE_PLAN}")
+  tree = jax.tree.map(lambda x: None if _is_empty(x) else x, tree)
   started = checkpoint_manager.save(int(step), args=ocp.args.StandardSave(tree))
   if wait:
     checkpoint_manager.wait_until_finished()
   return started
 
 
-def restore(checkpoint_manager, like: Any, step: int | None = None) -> Any:
+def _key_name(key: Any) -> str:
+  """One step of a key path as Orbax names it in a checkpoint's tree."""
+  for attribute in ("key", "name", "idx"):  # DictKey / FlattenedIndexKey, GetAttrKey, SequenceKey
+    if hasattr(key, attribute):
+      return str(getattr(key, attribute))
+  return str(key)
+
+
+def _names(key_path: Any) -> tuple:
+  return tuple(_key_name(k) for k in key_path)
+
+
+class _Saved:
+  """What checkpoint ``step`` holds: its arrays' shapes and dtypes by key path (tuples of Orbax's names)."""
+
+  def __init__(self, checkpoint_manager, step: int):
+    ocp = _orbax()
+    metadata = checkpoint_manager.item_metadata(step)
+    self.tree = getattr(metadata, "tree", metadata)
+    # Without tree metadata (an Orbax that keeps none) the checkpoint is taken
+    # to match like's masters, as before masters could change across a restore.
+    self.known = self.tree is not None
+    self.arrays = {} if not self.known else {
+        tuple(str(k) for k in key): (tuple(value.shape), np.dtype(value.dtype))
+        for key, value in ocp.tree.to_flat_dict(self.tree).items() if value is not None and hasattr(value, "shape")}
+
+  def node(self, names: tuple) -> Any:
+    """The saved subtree at ``names``, or None where there is none."""
+    node = self.tree
+    for name in names:
+      if isinstance(node, dict):
+        node = node.get(name, node.get(int(name)) if name.isdigit() else None)
+      elif isinstance(node, (list, tuple)) and name.isdigit() and int(name) < len(node):
+        node = node[int(name)]
+      else:
+        return None
+    return node
+
+
+def _placed_like(value: Any, like: Any) -> Any:
+  """``value`` (zeros for None) with ``like``'s shape, dtype and sharding (memory kind included)."""
+  sharding = getattr(like, "sharding", None)
+  if sharding is None:
+    return jax.numpy.zeros(like.shape, like.dtype) if value is None else jax.numpy.asarray(value, like.dtype)
+  return placement.placed_with(value, tuple(like.shape), like.dtype, sharding)
+
+
+class _StateRestore:
+  """How one ``HybridAdamState`` of ``like`` is restored: what Orbax reads for it, and what is made after.
+
+  Empty entries are read as nothing and made again from ``like``; a disk
+  leaf's moments are read into host memory and written into ``like``'s files;
+  a master that ``like`` keeps and the checkpoint lacks is built from its
+  restored param; a master the checkpoint has and ``like`` does not keep is
+  not read (its target is None).
+  """
+
+  def __init__(self, key_path: Any, like: HybridAdamState, plan: Plan, saved: _Saved):
+    self.where = f"like{jax.tree_util.keystr(key_path)}"
+    self.like, self.plan = like, plan
+    self.paths = [path for path, _ in jax.tree_util.tree_leaves_with_path(like.mu)]
+    prefix = _names(key_path)
+    kept = set() if like.master is None else set(range(len(plan.leaves))) - set(plan.empty_entries("master"))
+    if not saved.known:
+      self.saved_master_tree, self.build_master = like.master is not None, []
+      return
+    # A state saved without master_dtype has no master tree at all; Orbax
+    # needs the target's tree to be the saved one, with None where it reads nothing.
+    self.saved_master_tree = isinstance(saved.node(prefix + ("master",)), (dict, list, tuple))
+    self.build_master = [i for i in sorted(kept)
+                         if prefix + ("master",) + _names(self.paths[i]) not in saved.arrays]
+
+  def missing_masters(self) -> list[str]:
+    return [f"{self.where}.master{jax.tree_util.keystr(self.paths[i])}" for i in self.build_master]
+
+  def target(self) -> HybridAdamState:
+    """What Orbax restores into for this state."""
+    state = self.like
+    for field in PARAMS_SHAPED_FIELDS:
+      files = _files(self.plan, field)
+      if files:  # read into host memory, then written into the files
+        state = _replace_entries(state, field, {i: np.zeros(m.shape, np.dtype(m.dtype)) for i, m in files.items()})
+    if not self.saved_master_tree:
+      state = state._replace(master=None)
+    elif state.master is None:  # masters saved, none kept: a tree that reads nothing
+      state = state._replace(master=jax.tree.map(lambda _: None, self.like.mu))
+    elif self.build_master:  # none saved for these: they read nothing
+      state = _replace_entries(state, "master", {i: None for i in self.build_master})
+    return jax.tree.map(lambda x: None if _is_empty(x) else x, state)  # empty entries read nothing
+
+  def finish(self, restored: HybridAdamState, masters: dict) -> HybridAdamState:
+    """The restored state in ``like``'s structure: files written, empty entries and ``masters`` in place."""
+    fields = {}
+    for field in PARAMS_SHAPED_FIELDS:
+      like_tree = getattr(self.like, field)
+      if like_tree is None:
+        fields[field] = None  # e.g. a master the checkpoint has and like does not keep
+        continue
+      like_leaves, treedef = jax.tree.flatten(like_tree)
+      got = ([None] * len(like_leaves) if getattr(restored, field) is None
+             else treedef.flatten_up_to(getattr(restored, field)))
+      files, empty = _files(self.plan, field), set(self.plan.empty_entries(field))
+      out = []
+      for i, (like_entry, value) in enumerate(zip(like_leaves, got)):
+        if i in files and value is not None:
+          disk.write(files[i], np.asarray(value))
+        if i in empty:
+          value = _placed_like(None, like_entry)
+        elif field == "master" and i in masters:
+          value = masters[i]
+        elif value is None:  # a zero-size param's moments: nothing was saved
+          value = _placed_like(None, like_entry)
+        out.append(value)
+      fields[field] = treedef.unflatten(out)
+    return restored._replace(**fields)
+
+  def masters_from_params(self, params: dict) -> dict:
+    """``{leaf index: master}`` built from ``params`` (by path), or a ValueError naming the first that cannot be."""
+    masters = {}
+    like_masters = jax.tree.leaves(self.like.master) if self.build_master else []
+    for i in self.build_master:
+      path, like_entry = jax.tree_util.keystr(self.paths[i]), like_masters[i]
+      param = params.get(path)
+      if param is None or tuple(np.shape(param)) != tuple(like_entry.shape):
+        found = "no param" if param is None else f"a param of shape {tuple(np.shape(param))}"
+        raise ValueError(
+            f"checkpoint.restore: `masters_from` returned {found} at {path} for the master "
+            f"{self.where}.master{path} (shape {tuple(like_entry.shape)}); it must return the params tree the "
+            "optimizer state was initialized with, e.g. masters_from=lambda restored: restored['params'].")
+      if isinstance(param, jax.Array) and param.is_fully_addressable:
+        param = np.asarray(jax.device_get(param))  # converted on the host, as init converts host masters
+      masters[i] = _placed_like(param, like_entry)
+    return masters
+
+
+def restore(checkpoint_manager, like: Any, step: int | None = None, *,
+            masters_from: Callable[[Any], Any] | None = None) -> Any:
   """Restores checkpoint ``step`` (default: the latest) into the structure and placement of ``like``.
+
+  ``like`` may be placed differently from what was saved: another tier or
+  memory kind, another mesh or sharding (ZeRO-1 included), disk-tier moments
+  (written into ``like``'s files). It may also differ in master weights
+  (``hybrid_adamw(master_dtype=...)`` turned on or off mid-run):
+
+  * a master that ``like`` keeps and the checkpoint lacks is built from its
+    restored param, converted to the master's dtype exactly as ``init`` does;
+    pass ``masters_from``, a function of the restored tree that returns the
+    params (``lambda restored: restored["params"]``);
+  * a master the checkpoint has and ``like`` does not keep is dropped (read
+    into the leaf's state memory and discarded): the step continues from the
+    params.
 
   Args:
     checkpoint_manager: from :func:`manager`.
@@ -105,12 +340,33 @@ def restore(checkpoint_manager, like: Any, step: int | None = None) -> Any:
       state, or ``tx.init`` on abstract params); every restored leaf gets its
       shape, dtype, sharding and memory kind.
     step: which checkpoint; ``None`` for the latest complete one.
+    masters_from: ``restored tree -> params``, used only for masters the
+      checkpoint lacks: each is built from the param at its path.
 
   Returns:
     The restored tree.
 
   Raises:
     FileNotFoundError: if there is no complete checkpoint (or not ``step``).
+    ValueError: if ``like`` keeps master weights the checkpoint lacks and no
+      ``masters_from`` is given, or ``masters_from`` does not return a param
+      of the right shape for one of them; or if ``like`` holds disk-tier
+      moments without the plan that names their files (``nnx.state(optimizer)``).
+    TypeError: if ``masters_from`` is not callable.
+
+  Example: turning master weights on mid-run.
+
+    >>> import tempfile, jax.numpy as jnp, optax_hybrid
+    >>> params = {"w": jnp.ones((2, 2), jnp.bfloat16)}
+    >>> manager = optax_hybrid.checkpoint.manager(tempfile.mkdtemp())
+    >>> tx = optax_hybrid.hybrid_adamw(1e-3)
+    >>> saved = optax_hybrid.checkpoint.save(manager, 1, {"params": params, "opt": tx.init(params)}, wait=True)
+    >>> tx_with_master = optax_hybrid.hybrid_adamw(1e-3, master_dtype=jnp.float32)
+    >>> restored = optax_hybrid.checkpoint.restore(
+    ...     manager, like={"params": params, "opt": tx_with_master.init(params)},
+    ...     masters_from=lambda restored: restored["params"])
+    >>> restored["opt"].master["w"].dtype
+    dtype('float32')
   """
   ocp = _orbax()
   if step is None:
@@ -122,26 +378,51 @@ def restore(checkpoint_manager, like: Any, step: int | None = None) -> Any:
         f"no checkpoint for step {step} in {checkpoint_manager.directory}; "
         f"complete steps: {sorted(checkpoint_manager.all_steps())}"
     )
-  target = jax.tree.map(lambda x: disk.read(x) if _is_disk(x) else x, abstract_like(like), is_leaf=_is_disk)
+  if masters_from is not None and not callable(masters_from):
+    raise TypeError("checkpoint.restore: `masters_from` must be a function of the restored tree that returns "
+                    f"the params, e.g. lambda restored: restored['params']; got {masters_from!r}.")
+  saved = _Saved(checkpoint_manager, int(step))
+  like = abstract_like(like)
+  entries, treedef = jax.tree_util.tree_flatten_with_path(like, is_leaf=_is_state)
+  states = {}
+  for j, (key_path, x) in enumerate(entries):
+    plan = _planned(x) if _is_state(x) else None
+    if plan is not None:
+      states[j] = _StateRestore(key_path, x, plan, saved)
+  missing = [name for r in states.values() for name in r.missing_masters()]
+  if missing and masters_from is None:
+    raise ValueError(
+        f"checkpoint.restore: checkpoint step {step} has no master weights for {', '.join(missing[:3])}"
+        f"{', ...' if len(missing) > 3 else ''} (saved without master_dtype, or those leaves kept none), but "
+        "`like` keeps them. Pass masters_from=lambda restored: restored['params'] (a function of the restored "
+        "tree that returns the params) to build each master from its restored param, as init does; or restore "
+        "into a state made without master_dtype.")
+  # An empty array where the checkpoint holds values would drop them: disk-tier
+  # moments restored into a tree without their plan (nnx.state(optimizer)).
+  dropped = [jax.tree_util.keystr(path) for j, (path, x) in enumerate(entries)
+             if j not in states and _is_empty(x) and math.prod(saved.arrays.get(_names(path), ((0,), None))[0])]
+  if dropped:
+    raise ValueError(f"checkpoint.restore: the checkpoint holds values for {', '.join(dropped[:3])}"
+                     f"{', ...' if len(dropped) > 3 else ''}, where `like` has empty arrays: {_KEEP_THE_PLAN}")
+  target = treedef.unflatten([states[j].target() if j in states else None if _is_empty(x) else x
+                              for j, (_, x) in enumerate(entries)])
   restored = checkpoint_manager.restore(int(step), args=ocp.args.StandardRestore(target))
-
-  def into_files(x, liked):
-    # The values of ``like``'s disk-tier moments go into its files; the state keeps the file names.
-    if _is_disk(liked):
-      disk.write(liked, x)
-      return liked
-    return x
-
-  restored = jax.tree.map(into_files, restored, like, is_leaf=_is_disk)
+  params = {}
+  if missing:
+    params = {jax.tree_util.keystr(path): x
+              for path, x in jax.tree_util.tree_leaves_with_path(masters_from(restored))}
+  # Every master is built (or refused) before any disk file is written.
+  masters = {j: r.masters_from_params(params) for j, r in states.items()}
+  got = treedef.flatten_up_to(restored)
+  restored = treedef.unflatten([
+      states[j].finish(value, masters[j]) if j in states else _placed_like(None, x) if _is_empty(x) else value
+      for j, ((_, x), value) in enumerate(zip(entries, got))])
 
   def place(x, t):
     # Guard against a backend or Orbax version that ignores the memory kind.
     sharding = getattr(t, "sharding", None)
-    if _is_disk(x):
-      return x
     if isinstance(x, jax.Array) and sharding is not None and x.sharding != sharding:
       x = jax.device_put(x, sharding)
     return _compat.match_type_to_sharding(x)
 
-  target = abstract_like(like)
-  return jax.tree.map(place, restored, target, is_leaf=_is_disk)
+  return jax.tree.map(place, restored, like)

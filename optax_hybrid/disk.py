@@ -2,9 +2,12 @@
 
 Like DeepSpeed's ZeRO-Infinity NVMe offload and the ``nvme_offload_fraction``
 of ColossalAI's HybridAdam, a leaf in the ``"disk"`` tier holds no moment
-arrays between steps: the state holds a :class:`DiskMoment` (static data: a
-file name, a shape and a dtype) and the jitted step reads the moments with an
-``io_callback`` before the update and writes them back after it. Steps see
+arrays between steps: its plan holds a :class:`DiskMoment` per moment (static
+data: a file name, a shape and a dtype; :func:`files_of` lists them), the
+state's ``mu`` and ``nu`` hold an empty entry for it (an array of no bytes,
+so that every params-shaped field has one array per param:
+:func:`optax_hybrid.placement.empty_entry`), and the jitted step reads the
+moments with an ``io_callback`` before the update and writes them back after it. Steps see
 each other's writes in order through data flow: the write returns a zero that
 is added to the step count, and the next step's read takes that count as its
 operand. (JAX's ``ordered=True`` callbacks would say the same, but JAX 0.10
@@ -65,6 +68,30 @@ class DiskMoment:
   @property
   def nbytes(self) -> int:
     return int(np.prod(self.shape)) * np.dtype(self.dtype).itemsize
+
+
+def files_of(state: Any, field: str = "mu") -> Any:
+  """The files of a ``HybridAdamState``'s disk-tier moments, shaped like the params.
+
+  Args:
+    state: a state made by ``hybrid_adamw(...).init``.
+    field: ``"mu"`` or ``"nu"`` (with 8-bit moments, their codes), or
+      ``"mu_scales"`` / ``"nu_scales"`` (their scales).
+
+  Returns:
+    A tree like ``state.mu``: the :class:`DiskMoment` of each disk-tier leaf,
+    None for the others. Read one with :func:`read`.
+
+  Example:
+    >>> import jax.numpy as jnp, optax_hybrid
+    >>> tx = optax_hybrid.hybrid_adamw(1e-3, tiers="disk")
+    >>> state = tx.init({"w": jnp.ones(3)})
+    >>> optax_hybrid.disk.read(optax_hybrid.disk.files_of(state)["w"])
+    array([0., 0., 0.], dtype=float32)
+    >>> tx.close()
+  """
+  _, treedef = jax.tree.flatten(getattr(state, field))
+  return treedef.unflatten([dict(leaf.files).get(field) for leaf in state.plan.leaves])
 
 
 def check_directory(directory: str | os.PathLike) -> str:

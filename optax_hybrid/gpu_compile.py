@@ -284,6 +284,7 @@ class HloSummary:
   host_calls: int
   kernel_bytes: int
   kernel_ops: dict
+  transfer_bytes: int = 0
 
 
 def count_hlo(text: str) -> HloSummary:
@@ -316,6 +317,10 @@ def count_hlo(text: str) -> HloSummary:
   * ``kernel_bytes``: over the kernels, the bytes of their operands plus their
     results: a compile-time proxy for the memory traffic. It overcounts
     in-place updates of part of a buffer and ignores caching.
+  * ``transfer_bytes``: the bytes the transfers move across the host-device
+    link (a ``copy-start``'s operand; a synchronous transfer's result, or the
+    update of a ``dynamic-update-slice``), each counted once per step (a
+    transfer inside a ``while`` body once, not per trip).
 
   Args:
     text: the optimized HLO module(s) as text (``exe.hlo_modules()``'s
@@ -326,7 +331,7 @@ def count_hlo(text: str) -> HloSummary:
     calls by target) to its count.
   """
   computations, entry = _parse_hlo(text)
-  kernels = triton = transfers = host_calls = kernel_bytes = 0
+  kernels = triton = transfers = host_calls = kernel_bytes = transfer_bytes = 0
   ops: dict[str, int] = {}
   if entry is None:
     return HloSummary(0, 0, 0, 0, 0, {})
@@ -348,6 +353,7 @@ def count_hlo(text: str) -> HloSummary:
         continue
       if ins.opcode == "copy-start":
         transfers += 1
+        transfer_bytes += sum(_array_bytes(shapes.get(o, "")) for o in _operand_names(ins.rest)[:1])
         continue
       if ins.opcode in _NOT_KERNELS:
         continue
@@ -365,12 +371,15 @@ def count_hlo(text: str) -> HloSummary:
       if ins.opcode in _TRANSFER_OPS:
         spaces = set(_in_host_memory(ins.shape)) | {s for o in operands for s in _in_host_memory(o)}
         transfers += len(spaces) > 1
+        if len(spaces) > 1:
+          moved = operands[1:2] if ins.opcode == "dynamic-update-slice" else [ins.shape]
+          transfer_bytes += sum(_array_bytes(x) for x in moved)
         if spaces == {True}:
           key += " (host->host)"
       kernels += 1
       ops[key] = ops.get(key, 0) + 1
       kernel_bytes += _array_bytes(ins.shape) + sum(_array_bytes(o) for o in operands)
-  return HloSummary(kernels, triton, transfers, host_calls, kernel_bytes, dict(sorted(ops.items())))
+  return HloSummary(kernels, triton, transfers, host_calls, kernel_bytes, dict(sorted(ops.items())), transfer_bytes)
 
 
 # --- the report ---------------------------------------------------------------
@@ -392,7 +401,7 @@ class GpuCompileReport:
       memory the executable needs at once (an upper bound XLA plans for).
     host_peak_bytes: the same for host memory.
     kernels, triton_launches, transfers, host_calls, kernel_bytes,
-      kernel_ops: from the optimized HLO, see :func:`count_hlo`.
+      kernel_ops, transfer_bytes: from the optimized HLO, see :func:`count_hlo`.
     warnings: the host-offloader fallback lines XLA logged ("does device
       compute in host memory space ... Converting into host compute"): each is
       a value in host memory computed on slowly by the host.
@@ -419,6 +428,7 @@ class GpuCompileReport:
   warnings: tuple[str, ...]
   log: str = dataclasses.field(repr=False)
   hlo: str = dataclasses.field(repr=False)
+  transfer_bytes: int = 0
 
   @property
   def device_peak_bytes(self) -> int:
@@ -549,4 +559,5 @@ def compile_lowered(lowered: Any, target: str = "h100", num_devices: int = 1) ->
       host_temp_bytes=stats.host_temp_size_in_bytes, host_alias_bytes=stats.host_alias_size_in_bytes,
       kernels=summary.kernels, triton_launches=summary.triton_launches, transfers=summary.transfers,
       host_calls=summary.host_calls, kernel_bytes=summary.kernel_bytes, kernel_ops=summary.kernel_ops,
+      transfer_bytes=summary.transfer_bytes,
       warnings=warnings, log=log, hlo=hlo)

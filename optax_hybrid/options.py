@@ -21,6 +21,11 @@ import optax
 from optax_hybrid import _compat, disk, placement, tiers as tiers_lib
 from optax_hybrid.kernels import check_kernel_name
 
+# moment_format values: a storage dtype for both moments, or 8-bit block-wise
+# codes and scales (optax_hybrid.kernels.quantized).
+QUANTIZED_8BIT = "8bit"
+MOMENT_FORMATS = ("float32", "bfloat16", "float16", QUANTIZED_8BIT)
+
 ScalarOrSchedule = Union[float, jax.Array, optax.Schedule]
 MaskOrFn = Optional[Union[Any, Callable[[optax.Params], Any]]]
 
@@ -52,6 +57,7 @@ class Options:
   nvme_offload_fraction: float | None
   nvme_offload_dir: Any
   shard_state_over: str | None
+  moment_format: str | None
   # Not an argument of scale_by_hybrid_adam: master weights need the learning
   # rate inside the step.
   master_dtype: Any = None
@@ -60,6 +66,11 @@ class Options:
   def decay_is_static_zero(self) -> bool:
     """A concrete zero weight decay: decay is then left out of the step statically."""
     return not _compat.is_tracer(self.weight_decay) and float(np.asarray(self.weight_decay)) == 0.0
+
+  @property
+  def quantize_moments(self) -> bool:
+    """8-bit block-wise moments (for the leaves that take them: :func:`quantized.quantizable`)."""
+    return self.moment_format == QUANTIZED_8BIT
 
 
 def make_options(**kwargs: Any) -> Options:
@@ -83,6 +94,13 @@ def make_options(**kwargs: Any) -> Options:
     if dtype is not None and not is_inexact(dtype):
       raise ValueError(f"hybrid_adamw: `{name}` must be a floating dtype, got {dtype}.")
     dtypes[name] = dtype
+  if o.moment_format is not None:
+    if o.moment_format not in MOMENT_FORMATS:
+      raise ValueError(f"hybrid_adamw: unknown `moment_format`={o.moment_format!r}; accepted values are "
+                       f"{', '.join(repr(f) for f in MOMENT_FORMATS)} (or None: `mu_dtype` / `nu_dtype`).")
+    if o.mu_dtype is not None or o.nu_dtype is not None:
+      raise ValueError("hybrid_adamw: pass either `moment_format` or `mu_dtype` / `nu_dtype`, not both: "
+                       f"moment_format={o.moment_format!r} sets the storage of both moments.")
   placement.check_memory_kind_spec(o.state_memory_kind)
   tiers_lib.check_tier_spec(o.tiers)
   if o.tiers is not None and o.state_memory_kind is not None:

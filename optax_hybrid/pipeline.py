@@ -20,7 +20,7 @@ from jax import lax
 
 from optax_hybrid import _compat, disk, placement
 from optax_hybrid._compat import DEVICE, HOST
-from optax_hybrid.kernels import AdamScalars, LeafFacts, LeafOperands, Rule, kernels_for, reference
+from optax_hybrid.kernels import AdamScalars, LeafFacts, LeafOperands, Rule, kernels_for, quantized, reference
 from optax_hybrid.kernels.contract import per_platform
 from optax_hybrid.plan import STREAM_LAG, LeafPlan, Plan, check_inexact_leaves
 
@@ -61,6 +61,8 @@ def gather(grads: Any, state: Any, params: Any, plan: Plan, *, write_params: boo
   try:
     mu_leaves = treedef.flatten_up_to(state.mu)
     nu_leaves = treedef.flatten_up_to(state.nu)
+    mu_scales, nu_scales = ([None] * len(grad_leaves) if scales is None else treedef.flatten_up_to(scales)
+                            for scales in (state.mu_scales, state.nu_scales))
   except (ValueError, TypeError) as e:
     raise ValueError(
         "hybrid_adamw: the gradients' tree structure does not match the "
@@ -124,11 +126,30 @@ def gather(grads: Any, state: Any, params: Any, plan: Plan, *, write_params: boo
       return x
     return _compat.move(x, placement.space_of_kind(kind))
 
+  def moment(leaf, codes, scales):
+    if not leaf.quantized:
+      return typed(codes, leaf.state_kind)
+    if scales is None:
+      raise ValueError(f"hybrid_adamw: the state keeps 8-bit moments for {leaf.path} but has no scales for "
+                       "them (state.mu_scales / nu_scales); make the state with this optimizer's init.")
+    return quantized.QuantizedMoment(typed(codes, leaf.state_kind), typed(scales, leaf.state_kind))
+
   return treedef, [
-      LeafIn(grad=g, mu=typed(m, leaf.state_kind), nu=typed(v, leaf.state_kind),
+      LeafIn(grad=g, mu=moment(leaf, m, ms), nu=moment(leaf, v, vs),
              param=typed(p, leaf.param_kind), master=typed(w, leaf.state_kind))
-      for leaf, g, m, v, p, w in zip(plan.leaves, grad_leaves, mu_leaves, nu_leaves, param_leaves, master_leaves)
+      for leaf, g, m, v, p, w, ms, vs in zip(plan.leaves, grad_leaves, mu_leaves, nu_leaves, param_leaves,
+                                             master_leaves, mu_scales, nu_scales)
   ]
+
+
+def _files(moment: Any) -> list:
+  """The :class:`disk.DiskMoment` s of one disk moment: one file, or codes and scales for 8-bit moments."""
+  return list(moment) if isinstance(moment, quantized.QuantizedMoment) else [moment]
+
+
+def _like(moment: Any, arrays: list) -> Any:
+  """Arrays read for ``moment``'s files, in its format (the inverse of :func:`_files`)."""
+  return quantized.QuantizedMoment(*arrays) if isinstance(moment, quantized.QuantizedMoment) else arrays[0]
 
 
 def load_disk_moments(leaves: list[LeafIn], plan: Plan, after: jax.Array) -> tuple[list[LeafIn], list]:
@@ -136,10 +157,12 @@ def load_disk_moments(leaves: list[LeafIn], plan: Plan, after: jax.Array) -> tup
   stored = [(i, leaf.mu, leaf.nu) for i, leaf in enumerate(leaves) if plan.leaves[i].on_disk]
   if not stored:
     return leaves, []
-  values = disk.load_in_step([m for _, m, _ in stored] + [v for _, _, v in stored], after=after)
+  files = [_files(m) for _, m, v in stored for m in (m, v)]
+  values = iter(disk.load_in_step([f for fs in files for f in fs], after=after))
   leaves = list(leaves)
-  for j, (i, _, _) in enumerate(stored):
-    leaves[i] = leaves[i]._replace(mu=values[j], nu=values[len(stored) + j])
+  for i, m, v in stored:
+    leaves[i] = leaves[i]._replace(mu=_like(m, [next(values) for _ in _files(m)]),
+                                   nu=_like(v, [next(values) for _ in _files(v)]))
   return leaves, stored
 
 
@@ -152,8 +175,9 @@ def store_disk_moments(outs: list[LeafOut], stored: list) -> tuple[list[LeafOut]
   """
   if not stored:
     return outs, None
-  written = disk.store_in_step([m for _, m, _ in stored] + [v for _, _, v in stored],
-                               [outs[i].mu for i, _, _ in stored] + [outs[i].nu for i, _, _ in stored])
+  files = [f for _, m, v in stored for f in _files(m) + _files(v)]
+  values = [x for i, _, _ in stored for x in _files(outs[i].mu) + _files(outs[i].nu)]
+  written = disk.store_in_step(files, values)
   outs = list(outs)
   for i, m, v in stored:
     outs[i] = outs[i]._replace(mu=m, nu=v)
@@ -202,10 +226,10 @@ def _run_group(plans: Sequence[LeafPlan], leaves: Sequence[LeafIn], plan: Plan, 
   mastered = plans[0].master_dtype is not None
   # Parameters that are not read (no decay, no fused apply, or a master
   # stands in for them) are not moved either.
+  to = lambda x: jax.tree.map(lambda a: _compat.move(a, space), x)
   operands = [
-      LeafOperands(_compat.move(leaf.grad, space), _compat.move(leaf.mu, space), _compat.move(leaf.nu, space),
-                   _compat.move(leaf.master, space) if mastered
-                   else _compat.move(leaf.param, space) if (lp.decay or write_params) else None)
+      LeafOperands(to(leaf.grad), to(leaf.mu), to(leaf.nu),
+                   to(leaf.master) if mastered else to(leaf.param) if (lp.decay or write_params) else None)
       for lp, leaf in zip(plans, leaves)]
   facts = [LeafFacts(lp.decay, lp.master_dtype if mastered else (
       jnp.asarray(leaf.param).dtype if write_params else jnp.result_type(leaf.grad.dtype, lp.mu_dtype, lp.nu_dtype)))
@@ -228,14 +252,14 @@ def _run_group(plans: Sequence[LeafPlan], leaves: Sequence[LeafIn], plan: Plan, 
   elif plan.split == "shard_map" and set(kernels.values()) != {reference.update_leaves}:
     branches = {p: _per_shard(functools.partial(compute, k), plans, plan.mesh, s, operands)
                 for p, k in kernels.items()}
-    operands = [LeafOperands(*(None if x is None else placement.constrain(x, lp.state_sharding) for x in op))
+    operands = [jax.tree.map(lambda x, sharding=lp.state_sharding: placement.constrain(x, sharding), op)
                 for lp, op in zip(plans, operands)]
   else:
     branches = {p: functools.partial(compute, k) for p, k in kernels.items()}
   results = per_platform(branches, operands, s)
 
   def back(x, like):
-    return None if x is None else _compat.move(x, _compat.memory_space_of(like))
+    return jax.tree.map(lambda a, b: _compat.move(a, _compat.memory_space_of(b)), x, like)
 
   return [LeafOut(_compat.move(first, placement.space_of_kind(lp.param_kind)), back(mu, leaf.mu),
                   back(nu, leaf.nu), back(master, leaf.master))

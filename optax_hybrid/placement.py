@@ -2,7 +2,9 @@
 
 Two memory kinds are used for state: ``"device"`` (accelerator memory) and
 ``"pinned_host"`` (page-locked host memory the accelerator reads by DMA). This
-module creates placed zeros and copies for ``init``, and holds the helpers that
+module creates placed zeros and copies for ``init`` (and the empty entry a
+params-shaped field holds for a leaf that keeps nothing in it:
+:func:`empty_entry`), and holds the helpers that
 keep arithmetic where its values live: :func:`map_where_they_live` (host
 values inside one host-compute region), :func:`apply_updates`,
 :func:`all_finite`, and the jaxpr check
@@ -164,15 +166,15 @@ def placed_with(value: Any, shape: tuple, dtype: Any, sharding: Any, *, abstract
   return jax.jit(lambda v: v.astype(dtype), out_shardings=sharding)(value)
 
 
-def zeros_placed(param: Any, dtype: Any, kind: str) -> Any:
-  """Zeros shaped like ``param`` in ``dtype``, placed in memory ``kind``.
+def zeros_placed(param: Any, dtype: Any, kind: str, shape: tuple | None = None) -> Any:
+  """Zeros shaped like ``param`` (or ``shape``, placed like it) in ``dtype``, placed in memory ``kind``.
 
   A concrete array keeps its sharding (mesh and spec) with the memory kind
   changed; a ``jax.ShapeDtypeStruct`` gives a ``ShapeDtypeStruct`` (so that
   ``init`` can describe the state of a model that is not materialized); under
   tracing the zeros are moved to the memory space and the compiler places them.
   """
-  shape = np.shape(param)
+  shape = np.shape(param) if shape is None else tuple(shape)
   if isinstance(param, jax.ShapeDtypeStruct):
     sharding = param.sharding
     if sharding is not None:
@@ -210,6 +212,43 @@ def copy_placed(param: Any, dtype: Any, kind: str) -> Any:
   if kind == DEVICE_KIND and not getattr(param, "committed", False):
     return jnp.asarray(param).astype(dtype)  # uncommitted like the param (see zeros_placed)
   return placed_with(param, np.shape(param), dtype, sharding.with_memory_kind(kind))
+
+
+def empty_entry(param: Any, dtype: Any, kind: str, sharding: Any = None) -> Any:
+  """What a params-shaped state field holds for a leaf that keeps no value in it: an empty array.
+
+  Every params-shaped field of a state (``mu``, ``nu``, ``master``) holds
+  exactly one array per param leaf, so that Optax's
+  ``optax.tree_utils.tree_map_params`` can map a function over it together
+  with trees shaped like the params (``jax.tree.map(f, state.master,
+  param_specs)``), and ``jit`` and Orbax see arrays only. A leaf that keeps
+  nothing there (no master copy for a float32 param; moments kept in files
+  by the disk tier) holds an array of shape ``(0,) * max(param.ndim, 1)``:
+  no bytes, the param's number of dimensions (at least one, so that even a
+  scalar's entry is empty), so any partition spec valid for the param is valid
+  for it, placed in memory ``kind`` with the param's sharding (or
+  ``sharding``, memory kind included). The step knows from the plan which
+  leaves keep a value and passes these through untouched.
+
+  Args:
+    param: the param (array, tracer or ``jax.ShapeDtypeStruct``).
+    dtype: the dtype the entry would have (the field's, for readability).
+    kind: the memory kind of the leaf's state.
+    sharding: a sharding to use instead of the param's (ZeRO-1 states).
+
+  Returns:
+    A placed empty array (a ``jax.ShapeDtypeStruct`` for an abstract param).
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from optax_hybrid import placement
+    >>> placement.empty_entry(jnp.ones((4, 3)), jnp.float32, "device").shape
+    (0, 0)
+  """
+  shape = (0,) * max(np.ndim(param), 1)
+  if sharding is not None:
+    return placed_with(None, shape, dtype, sharding, abstract=isinstance(param, jax.ShapeDtypeStruct))
+  return zeros_placed(param, dtype, kind, shape=shape)
 
 
 def _replicated_like(sharding: Any) -> Any:

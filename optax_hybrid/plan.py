@@ -34,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from optax_hybrid import placement, tiers as tiers_lib
+from optax_hybrid.kernels import quantized
 from optax_hybrid.options import Options, is_inexact
 
 # The state bytes a stage of streamed leaves gathers before the next stage
@@ -62,7 +63,10 @@ class LeafPlan:
     param_kind: the memory kind the param lives in.
     state_kind: the memory kind of the in-memory state: the moments, and the
       master copy (for the disk tier, whose moments are files, the master).
-    mu_dtype, nu_dtype: the moments' storage dtypes.
+    mu_dtype, nu_dtype: the moments' storage dtypes; for 8-bit moments, the
+      dtype of their values (float32).
+    quantized: the moments are stored 8-bit block-wise (codes and per-block
+      scales: :mod:`optax_hybrid.kernels.quantized`).
     master_dtype: the master copy's dtype, or None when the leaf keeps none.
     decay: does the leaf take weight decay (the mask, resolved once)?
     state_sharding: the multi-device ``NamedSharding`` of the state (device
@@ -71,6 +75,11 @@ class LeafPlan:
       than the param (the update is gathered back to it); else None.
     stage: the streaming stage of a ``host_state`` or ``host`` leaf; 0 for
       others.
+    files: the disk tier's files, made by ``init``: ``(field, disk.DiskMoment)``
+      pairs, ``(("mu", ...), ("nu", ...))`` (with 8-bit moments the codes there and
+      the scales under ``"mu_scales"`` and ``"nu_scales"``); the state's fields hold an empty
+      entry there (:func:`optax_hybrid.placement.empty_entry`). ``()`` for
+      other tiers.
     runs_on: ``"host"`` where the update is computed in host compute (the
       host tier), else ``"device"`` (derived from the tier).
     on_disk: the moments are files (the disk tier).
@@ -91,6 +100,8 @@ class LeafPlan:
   state_sharding: Any = None
   gather_to: Any = None
   stage: int = 0
+  quantized: bool = False
+  files: tuple = ()
 
   # Derived once from the tier (see __post_init__), read by every step.
   runs_on: str = dataclasses.field(init=False)
@@ -153,6 +164,19 @@ class Plan:
     """Each leaf's tier."""
     return tuple(leaf.tier for leaf in self.leaves)
 
+  def empty_entries(self, field: str) -> tuple[int, ...]:
+    """The leaves (indices) that keep nothing in the state's params-shaped ``field``.
+
+    Their entry there is an empty array (:func:`optax_hybrid.placement.empty_entry`):
+    ``"master"`` for a leaf without a master copy, ``"mu_scales"`` and
+    ``"nu_scales"`` for a leaf without 8-bit moments, ``"mu"`` and ``"nu"``
+    (and the scales) for a disk-tier leaf (its moments are the files in
+    :attr:`LeafPlan.files`).
+    """
+    return tuple(i for i, leaf in enumerate(self.leaves)
+                 if (field == "master" and leaf.master_dtype is None)
+                 or (field in ("mu_scales", "nu_scales") and not leaf.quantized) or field in dict(leaf.files))
+
 
 def make_plan(params: Any, options: Options) -> Plan:
   """Decides, once, everything about each leaf (see :class:`LeafPlan`).
@@ -182,16 +206,19 @@ def make_plan(params: Any, options: Options) -> Plan:
       raise ValueError(
           "hybrid_adamw: the 'disk' tier needs single-device params (its ordered file callbacks "
           "cannot run in a multi-device computation); keep sharded params in 'host' or 'host_state'.")
-    mu_dtype, nu_dtype = moment_dtypes(p.dtype, o.mu_dtype, o.nu_dtype, key_path)
     zero1 = None
     if o.shard_state_over is not None and tier != tiers_lib.DISK_TIER:
       zero1 = tiers_lib.zero1_sharding(p, o.shard_state_over)
+    state_sharding = tiers_lib.device_sharding_of(p, zero1)
+    quantize = o.quantize_moments and quantized.quantizable(
+        np.shape(p), p.dtype, _last_axis_shards(state_sharding, np.ndim(p)))
+    mu_dtype, nu_dtype = moment_dtypes(p.dtype, *_requested_dtypes(o, p.dtype), key_path)
     leaves.append(LeafPlan(
         path=jax.tree_util.keystr(key_path) or "<root>", tier=tier, param_kind=placement.param_memory_kind(p),
         state_kind=kind, mu_dtype=np.dtype(mu_dtype), nu_dtype=np.dtype(nu_dtype),
         master_dtype=np.dtype(o.master_dtype) if tiers_lib.master_needed(p.dtype, o.master_dtype) else None,
-        decay=decay, state_sharding=tiers_lib.device_sharding_of(p, zero1),
-        gather_to=None if zero1 is None else p.sharding))
+        decay=decay, state_sharding=state_sharding, gather_to=None if zero1 is None else p.sharding,
+        quantized=quantize))
   leaves = assign_stages(leaves, [np.shape(p) for _, p in with_paths])
   split, mesh = _split([leaf.state_sharding for leaf in leaves if leaf.runs_on == "device"])
   return Plan(tuple(leaves), kernel=o.kernel, split=split, mesh=mesh)
@@ -200,8 +227,30 @@ def make_plan(params: Any, options: Options) -> Plan:
 def state_bytes(leaf: LeafPlan, shape: Sequence[int]) -> int:
   """Bytes of a leaf's state that a step moves: both moments, and the master if any."""
   n = int(np.prod(shape))
-  master = 0 if leaf.master_dtype is None else np.dtype(leaf.master_dtype).itemsize
-  return n * (np.dtype(leaf.mu_dtype).itemsize + np.dtype(leaf.nu_dtype).itemsize + master)
+  master = 0 if leaf.master_dtype is None else n * np.dtype(leaf.master_dtype).itemsize
+  if leaf.quantized:
+    return 2 * quantized.bytes_per_moment(shape) + master
+  return n * (np.dtype(leaf.mu_dtype).itemsize + np.dtype(leaf.nu_dtype).itemsize) + master
+
+
+def _requested_dtypes(o: Options, param_dtype: Any) -> tuple[Any, Any]:
+  """The ``(mu_dtype, nu_dtype)`` asked for: by ``moment_format`` (8-bit: float32 values), else as given."""
+  if o.moment_format is None:
+    return o.mu_dtype, o.nu_dtype
+  real = np.dtype(jnp.float32 if o.quantize_moments else o.moment_format)
+  if jnp.issubdtype(param_dtype, jnp.complexfloating):
+    return jnp.result_type(real, jnp.complex64), real
+  return real, real
+
+
+def _last_axis_shards(sharding: Any, ndim: int) -> int:
+  """Into how many shards a state sharding splits a leaf's last axis (1: unsharded or single-device)."""
+  spec = () if sharding is None else tuple(sharding.spec)
+  if ndim == 0 or len(spec) < ndim or spec[ndim - 1] is None:
+    return 1
+  entry = spec[ndim - 1]
+  axes = entry if isinstance(entry, tuple) else (entry,)
+  return int(np.prod([sharding.mesh.shape[a] for a in axes]))
 
 
 def assign_stages(leaves: Sequence[LeafPlan], shapes: Sequence[Sequence[int]],

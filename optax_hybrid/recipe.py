@@ -227,6 +227,9 @@ def _parse_param_groups(param_groups: Any) -> list[_Rule]:
 
 def _label_params(rules: list[_Rule], tree: Any) -> Any:
   """The group label of each leaf (first matching rule wins), checking that every rule claims a leaf."""
+  if _compat.is_optax_params_placeholder(tree):
+    # optax.tree_utils.tree_map_params: no params to label, and none to claim.
+    return tree
   claimed = [0] * len(rules)
   matched = [0] * len(rules)
   paths = []
@@ -580,7 +583,7 @@ def standard_optimizer(
     **hybrid_options: any other keyword argument of
       :func:`optax_hybrid.hybrid_adamw`, given to every group's AdamW: the
       placement options (``state_memory_kind="pinned_host"`` for moments in
-      host memory, ``kernel``), ``mu_dtype``/``nu_dtype``,
+      host memory, ``kernel``), ``moment_format`` (``"8bit"``), ``mu_dtype``/``nu_dtype``,
       ``bias_correction``, and ``skip_nonfinite=True``, which skips a whole
       update (every group together) whose gradients hold a NaN or an
       infinity, without advancing the schedule. Options that take a tree or a
@@ -603,7 +606,7 @@ def standard_optimizer(
       ``hybrid_adamw`` does not take.
 
   Example:
-    >>> import jax.numpy as jnp, optax_hybrid
+    >>> import jax, jax.numpy as jnp, optax_hybrid
     >>> from optax_hybrid.recipe import standard_optimizer, last_learning_rate
     >>> params = {"body": {"kernel": jnp.ones((4, 4)), "bias": jnp.zeros(4)},
     ...           "head": {"kernel": jnp.ones((4, 2))}}
@@ -613,7 +616,7 @@ def standard_optimizer(
     >>> state = tx.init(params)
     >>> grads = {"body": {"kernel": jnp.ones((4, 4)), "bias": jnp.ones(4)},
     ...          "head": {"kernel": jnp.ones((4, 2))}}
-    >>> updates, state = tx.update(grads, state, params)
+    >>> updates, state = jax.jit(tx.update)(grads, state, params)
     >>> round(float(last_learning_rate(state)), 9)  # (0 + 1) / 50 * 3e-4
     6e-06
   """
@@ -692,7 +695,7 @@ def last_learning_rate(opt_state: Any) -> jax.Array:
     >>> from optax_hybrid.recipe import standard_optimizer, last_learning_rate
     >>> tx = standard_optimizer(1.0, total_steps=100, warmup=10, min_lr=0.1)
     >>> state = tx.init({"w": jnp.ones((2, 2))})
-    >>> _, state = tx.update({"w": jnp.ones((2, 2))}, state, {"w": jnp.ones((2, 2))})
+    >>> _, state = jax.jit(tx.update)({"w": jnp.ones((2, 2))}, state, {"w": jnp.ones((2, 2))})
     >>> float(jax.jit(last_learning_rate)(state))  # (0 + 1) / 10 * 1.0
     0.10000000149011612
   """

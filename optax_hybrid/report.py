@@ -20,6 +20,7 @@ import numpy as np
 from optax_hybrid import _compat
 from optax_hybrid.disk import DiskMoment
 from optax_hybrid.paths import path_name, path_names
+from optax_hybrid.plan import Plan
 from optax_hybrid.transform import HybridAdamState
 
 DEVICE, HOST, DISK = "device", "host", "disk"
@@ -29,8 +30,13 @@ OTHER_STATE = "other_state"
 COMPONENTS = ("params", "gradients", "moments", "master_weights", "other_state")
 # HybridAdamState fields shaped like the params: the state attached to each
 # param ("master" holds an fp32 copy of low-precision params, where the
-# optimizer keeps one; None elsewhere).
-_PER_PARAM_FIELDS = {"mu": "moments", "nu": "moments", "master": "master_weights"}
+# optimizer keeps one; an empty entry elsewhere, as mu/nu of disk-tier leaves,
+# whose moments are the plan's files).
+# 8-bit moments keep their codes in "mu"/"nu" and their per-block scales,
+# shaped otherwise, in "*_scales".
+_PER_PARAM_FIELDS = {"mu": "moments", "nu": "moments", "master": "master_weights",
+                     "mu_scales": "moments", "nu_scales": "moments"}
+_SHAPED_OTHERWISE = ("mu_scales", "nu_scales")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -305,14 +311,14 @@ def memory_report(params: Any, opt_state: Any) -> MemoryReport:
     by_component[OTHER_STATE][placed.memory] += placed.nbytes
     add_device_shards(placed)
 
-  def param_index(where: str, sub_path, placed: _Placed) -> int:
+  def param_index(where: str, sub_path, placed: _Placed, params_shaped: bool = True) -> int:
     i = index.get(path_names(sub_path))
     if i is None:
       raise ValueError(
           f"memory_report: {where} matches no params leaf; pass the params tree "
           "the optimizer state was initialized with."
       )
-    if placed.shape != placed_params[i].shape:
+    if params_shaped and placed.shape != placed_params[i].shape:
       raise ValueError(
           f"memory_report: {where} has shape {placed.shape} but its param has "
           f"shape {placed_params[i].shape}; pass the params the optimizer state "
@@ -320,35 +326,44 @@ def memory_report(params: Any, opt_state: Any) -> MemoryReport:
       )
     return i
 
+  def attach(where: str, sub_path, placed: _Placed, field: str) -> None:
+    i = param_index(where, sub_path, placed, params_shaped=field not in _SHAPED_OTHERWISE)
+    attached[i][placed.memory] += placed.nbytes
+    has_state[i] = True
+    by_component[_PER_PARAM_FIELDS[field]][placed.memory] += placed.nbytes
+    add_device_shards(placed)
+
   is_hybrid = lambda x: isinstance(x, HybridAdamState)
-  # Disk-tier moments are static pytree nodes (files, no arrays): visit them.
-  is_disk = lambda x: isinstance(x, DiskMoment)
   for key_path, node in jax.tree_util.tree_leaves_with_path(opt_state, is_leaf=is_hybrid):
     if not is_hybrid(node):
       add_other(key_path, node)
       continue
+    # A state that carries its placement plan (one LeafPlan per leaf, in the
+    # order of its moments) names each leaf's tier, its files, and the empty
+    # entries that stand where a leaf keeps nothing.
+    plan = node.plan if isinstance(node.plan, Plan) else None
+    mu_paths = [p for p, _ in jax.tree_util.tree_leaves_with_path(node.mu)]
+    if plan is not None and len(plan.leaves) != len(mu_paths):
+      plan = None
     for field in node._fields:
-      entries = jax.tree_util.tree_leaves_with_path(getattr(node, field), is_leaf=is_disk)
+      entries = jax.tree_util.tree_leaves_with_path(getattr(node, field))
       if field not in _PER_PARAM_FIELDS:
         for sub_path, leaf in entries:
           add_other(key_path + sub_path, leaf)
         continue
-      for sub_path, leaf in entries:
-        where = f"opt_state{jax.tree_util.keystr(key_path)}.{field} leaf {path_name(sub_path)!r}"
-        placed = _Placed(leaf, where, numpy_ok=True)
-        i = param_index(where, sub_path, placed)
-        attached[i][placed.memory] += placed.nbytes
-        has_state[i] = True
-        by_component[_PER_PARAM_FIELDS[field]][placed.memory] += placed.nbytes
-        add_device_shards(placed)
-    # A state that carries its placement plan (one tier per leaf, in the order
-    # of its moments) names each leaf's tier itself.
-    plan_tiers = getattr(getattr(node, "plan", None), "tiers", None)
-    mu_paths = [p for p, _ in jax.tree_util.tree_leaves_with_path(node.mu, is_leaf=is_disk)]
-    if plan_tiers is not None and len(plan_tiers) == len(mu_paths):
-      for sub_path, tier in zip(mu_paths, plan_tiers):
-        if tier in TIERS:
-          planned[index[path_names(sub_path)]] = tier
+      empty = set(plan.empty_entries(field)) if plan is not None and len(entries) == len(plan.leaves) else set()
+      for j, (sub_path, leaf) in enumerate(entries):
+        if j not in empty:  # an empty entry holds no bytes
+          where = f"opt_state{jax.tree_util.keystr(key_path)}.{field} leaf {path_name(sub_path)!r}"
+          attach(where, sub_path, _Placed(leaf, where, numpy_ok=True), field)
+    if plan is None:
+      continue
+    for sub_path, leaf in zip(mu_paths, plan.leaves):
+      for field, moment in leaf.files:
+        where = f"opt_state{jax.tree_util.keystr(key_path)}.plan's {field} file of {path_name(sub_path)!r}"
+        attach(where, sub_path, _Placed(moment, where, numpy_ok=False), field)
+      if leaf.tier in TIERS:
+        planned[index[path_names(sub_path)]] = leaf.tier
 
   leaves = []
   by_tier = {tier: _split() for tier in (*TIERS, OTHER_STATE)}

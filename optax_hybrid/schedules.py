@@ -11,6 +11,10 @@ import optax
 
 from optax_hybrid import _checks
 
+# The largest step count any JAX integer type holds (int64): no count reaches
+# a schedule length beyond it, and floats represent every length up to it.
+MAX_STEPS = 2**63 - 1
+
 
 def warmup_cosine_schedule(
     peak_value: float,
@@ -41,11 +45,16 @@ def warmup_cosine_schedule(
   The schedule works eagerly, under ``jit`` and ``vmap`` with traced integer
   counts, and for Python integer counts of any size (they are converted to
   float before any arithmetic, so counts past ``2**31`` do not overflow).
+  ``total_steps`` and ``warmup_steps`` may be larger than the count's dtype
+  holds (``total_steps=3_000_000_000`` with Optax's int32 count): they are
+  compared with the count exactly, in its integer type where they fit in it,
+  and never converted to that type where they do not.
 
   Args:
     peak_value: the learning rate at the end of warmup; ``>= 0``.
     total_steps: the count at which the cosine reaches ``eta_min``; must be
-      greater than ``warmup_steps``.
+      greater than ``warmup_steps`` and at most ``2**63 - 1`` (the largest
+      int64 count).
     warmup_steps: number of linear warmup updates; ``>= 0``.
     eta_min: the floor of the cosine; ``0 <= eta_min <= peak_value``.
 
@@ -53,8 +62,8 @@ def warmup_cosine_schedule(
     An ``optax.Schedule``: a function from the step count to a float32 scalar.
 
   Raises:
-    ValueError: if ``total_steps <= warmup_steps``, ``warmup_steps < 0``,
-      ``peak_value < 0``, ``eta_min < 0``, ``eta_min > peak_value`` or a value
+    ValueError: if ``total_steps <= warmup_steps``, ``total_steps > 2**63 - 1``,
+      ``warmup_steps < 0``, ``peak_value < 0``, ``eta_min < 0``, ``eta_min > peak_value`` or a value
       is not finite.
     TypeError: if a step count is not an integer or a value is not a number.
 
@@ -73,6 +82,11 @@ def warmup_cosine_schedule(
   if warmup_steps < 0:
     raise ValueError(
         f"warmup_cosine_schedule: `warmup_steps` must be >= 0, got {warmup_steps}."
+    )
+  if total_steps > MAX_STEPS:
+    raise ValueError(
+        f"warmup_cosine_schedule: `total_steps` must be at most 2**63 - 1 (the largest int64 "
+        f"step count), got {total_steps}."
     )
   if total_steps <= warmup_steps:
     raise ValueError(
@@ -116,15 +130,32 @@ def warmup_cosine_schedule(
           f"warmup_cosine_schedule: the step count must be an integer, got dtype {count.dtype}."
       )
     k = count.astype(jnp.float32)
-    # Subtract in the count's own integer type, where it is exact, before the
-    # conversion to float32 rounds large counts.
-    since_warmup = jnp.maximum(count - warmup_steps, 0).astype(jnp.float32)
-    progress = jnp.minimum(since_warmup / decay_steps, 1.0)
+    # Compare and subtract in the count's own type, where they are exact,
+    # before the conversion to float32 rounds large counts. A step number
+    # beyond that type's range (total_steps=3e9 with an int32 count) is never
+    # converted to it: no count of that type reaches it.
+    in_warmup = jnp.logical_not(_reaches(count, warmup_steps))
+    start = jnp.asarray(min(warmup_steps, _largest(count.dtype)), count.dtype)
+    since_warmup = jnp.where(in_warmup, 0, count - start).astype(jnp.float32)
+    progress = jnp.minimum(since_warmup / float(decay_steps), 1.0)
     cosine = eta_min + (peak_value - eta_min) * 0.5 * (1.0 + jnp.cos(jnp.pi * progress))
-    cosine = jnp.where(progress >= 1.0, eta_min, cosine)
+    cosine = jnp.where(_reaches(count, total_steps), eta_min, cosine)
     if warmup_steps == 0:
       return cosine.astype(jnp.float32)
     warmup = (k + 1.0) * (peak_value / warmup_steps)
-    return jnp.where(k < warmup_steps, warmup, cosine).astype(jnp.float32)
+    return jnp.where(in_warmup, warmup, cosine).astype(jnp.float32)
 
   return schedule
+
+
+
+def _largest(dtype) -> int | float:
+  """The largest value a count of ``dtype`` can hold."""
+  return int(jnp.iinfo(dtype).max) if jnp.issubdtype(dtype, jnp.integer) else float(jnp.finfo(dtype).max)
+
+
+def _reaches(count: jnp.ndarray, steps: int) -> jnp.ndarray:
+  """``count >= steps`` for a Python int ``steps`` of any size, never converted to a type it does not fit."""
+  if steps > _largest(count.dtype):
+    return jnp.zeros(count.shape, bool)  # no count of this dtype reaches it
+  return count >= jnp.asarray(steps, count.dtype)

@@ -37,10 +37,12 @@ import numpy as np
 
 from optax_hybrid import _compat, placement
 
+#: The tier names, as ``tiers=`` takes them.
 DEVICE_TIER, HOST_STATE_TIER, HOST_TIER, DISK_TIER = "device", "host_state", "host", "disk"
+#: Every tier name.
 TIERS = (DEVICE_TIER, HOST_STATE_TIER, HOST_TIER, DISK_TIER)
-# The memory kind of each tier's state in memory: the moments, or for the disk
-# tier (moments in files) the master copy.
+#: The memory kind of each tier's state in memory: the moments, or for the disk
+#: tier (moments in files) the master copy.
 STATE_KIND = {DEVICE_TIER: placement.DEVICE_KIND, HOST_STATE_TIER: placement.HOST_KIND,
               HOST_TIER: placement.HOST_KIND, DISK_TIER: placement.HOST_KIND}
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, NamedTuple
 
 import jax
@@ -10,10 +11,10 @@ import numpy as np
 import optax
 from optax._src import numerics
 
-from optax_hybrid import disk, pipeline, placement, tiers as tiers_lib
-from optax_hybrid.kernels import step_scalars
+from optax_hybrid import _compat, disk, pipeline, placement, tiers as tiers_lib
+from optax_hybrid.kernels import quantized, step_scalars
 from optax_hybrid.options import MaskOrFn, Options, ScalarOrSchedule, check_learning_rate, make_options
-from optax_hybrid.plan import LeafPlan, make_plan
+from optax_hybrid.plan import LeafPlan, Plan, make_plan
 
 
 class HybridAdamState(NamedTuple):
@@ -27,11 +28,24 @@ class HybridAdamState(NamedTuple):
     skipped: int32 scalar, the number of steps skipped for non-finite
       gradients (``skip_nonfinite=True``); they do not advance ``count``.
     master: with ``master_dtype``, the master copy of each lower-precision
-      param (a tree shaped like the params, ``None`` where a param keeps no
-      master), placed with the leaf's moments; ``None`` otherwise.
+      param (a tree shaped like the params, an empty entry where a param
+      keeps no master), placed with the leaf's moments; ``None`` otherwise.
+    mu_scales, nu_scales: with ``moment_format="8bit"``, the float32 per-block
+      scales of each 8-bit moment (trees shaped like the params, an empty
+      entry where a leaf keeps float32 moments); ``mu`` and ``nu`` then hold
+      the uint8 codes of those leaves. ``None`` otherwise. Read the values
+      with :func:`moment_values`.
     plan: every per-leaf decision made by ``init`` (:class:`optax_hybrid.plan.Plan`:
-      tier, memory kinds, dtypes, decay, shardings, streaming stage),
-      static data that holds no arrays.
+      tier, memory kinds, dtypes, decay, shardings, streaming stage, the disk
+      tier's files), static data that holds no arrays.
+
+  Every params-shaped field (``mu``, ``nu``, ``master``, the scales) holds exactly one
+  array per param leaf: where a leaf keeps nothing in it (no master for a
+  float32 param; disk-tier moments, which are files) it holds an *empty
+  entry*, an array of shape ``(0,) * max(ndim, 1)``
+  (:func:`optax_hybrid.placement.empty_entry`). So
+  ``optax.tree_utils.tree_map_params`` maps partition specs (or anything
+  shaped like the params) over every such field, for every tier.
   """
 
   count: jax.Array
@@ -39,6 +53,8 @@ class HybridAdamState(NamedTuple):
   nu: optax.Updates
   skipped: jax.Array
   master: Any = None
+  mu_scales: Any = None
+  nu_scales: Any = None
   plan: Any = None
 
 
@@ -88,24 +104,135 @@ class HybridAdamW(optax.GradientTransformationExtraArgs):
 # ---------------------------------------------------------------------------
 
 
-def _state_arrays(param: Any, leaf: LeafPlan, store: Any) -> tuple:
-  """``(mu, nu, master)`` for one leaf, placed where its plan says (files for disk moments)."""
+def _state_arrays(param: Any, leaf: LeafPlan, with_master: bool) -> tuple:
+  """``(mu, nu, master, no_scales)`` for one leaf, placed where its plan says.
+
+  ``no_scales`` is the pair of empty entries the scales fields hold for a
+  leaf without 8-bit moments (None for a leaf with them).
+
+  A moment is an array, or for 8-bit moments a
+  :class:`~optax_hybrid.kernels.quantized.QuantizedMoment` of zero codes and
+  scales. Where the leaf keeps nothing in a field (disk moments, which are
+  files; no master) it gets an empty entry (:func:`placement.empty_entry`);
+  the master field is ``None`` only when the state has no masters at all.
+  """
   abstract = isinstance(param, jax.ShapeDtypeStruct)
   # ZeRO-1 splits the state further than the param: place it with its own sharding.
   split = None if leaf.gather_to is None else leaf.state_sharding.with_memory_kind(leaf.state_kind)
 
-  def moment(dtype):
-    if leaf.on_disk:
-      return store.create(np.shape(param), dtype)
+  def zeros(shape, dtype):
+    if leaf.on_disk:  # the moments are the plan's files
+      return placement.empty_entry(param, dtype, leaf.state_kind)
     if split is not None:
-      return placement.placed_with(None, np.shape(param), dtype, split, abstract=abstract)
-    return placement.zeros_placed(param, dtype, leaf.state_kind)
+      return placement.placed_with(None, shape, dtype, split, abstract=abstract)
+    return placement.zeros_placed(param, dtype, leaf.state_kind, shape=shape)
+
+  def moment(dtype):
+    if leaf.quantized:  # zero codes with zero scales: zeros
+      return quantized.QuantizedMoment(zeros(np.shape(param), quantized.CODE_DTYPE),
+                                       zeros(quantized.scales_shape(np.shape(param)), quantized.SCALE_DTYPE))
+    return zeros(np.shape(param), dtype)
 
   master = None
   if leaf.master_dtype is not None:
     master = (placement.copy_placed(param, leaf.master_dtype, leaf.state_kind) if split is None
               else placement.placed_with(param, np.shape(param), leaf.master_dtype, split, abstract=abstract))
-  return moment(leaf.mu_dtype), moment(leaf.nu_dtype), master
+  elif with_master:
+    master = placement.empty_entry(param, param.dtype, leaf.state_kind, split)
+  # One empty entry per scales field: a donated step must not get one buffer twice.
+  no_scales = None if leaf.quantized else tuple(
+      placement.empty_entry(param, quantized.SCALE_DTYPE, leaf.state_kind, split) for _ in range(2))
+  return moment(leaf.mu_dtype), moment(leaf.nu_dtype), master, no_scales
+
+
+def _with_disk_files(plan: Plan, params: list, store: disk.DiskStore) -> Plan:
+  """``plan`` with a new zero-filled file for each moment of each disk-tier leaf."""
+  def files(p, leaf):
+    if leaf.quantized:  # codes and scales, each in its own file
+      shapes = {"mu": np.shape(p), "mu_scales": quantized.scales_shape(np.shape(p))}
+      return tuple((field, store.create(shapes[field.replace("nu", "mu")],
+                                        quantized.SCALE_DTYPE if field.endswith("scales") else quantized.CODE_DTYPE))
+                   for field in ("mu", "mu_scales", "nu", "nu_scales"))
+    return tuple((field, store.create(np.shape(p), dtype)) for field, dtype in (("mu", leaf.mu_dtype),
+                                                                               ("nu", leaf.nu_dtype)))
+
+  return dataclasses.replace(plan, leaves=tuple(
+      dataclasses.replace(leaf, files=files(p, leaf)) if leaf.on_disk else leaf
+      for p, leaf in zip(params, plan.leaves)))
+
+
+class _NoPlan:
+  """The ``plan`` of the state ``init`` returns for Optax's params placeholder: no plan is made without params.
+
+  A pytree leaf, so that ``optax.tree_utils.tree_map_params`` hands the real
+  state's plan to its ``transform_non_params`` (or keeps it as it is).
+  """
+
+  __slots__ = ()
+
+  def __repr__(self) -> str:
+    return "<no plan: init was given optax.tree_utils.tree_map_params' params placeholder>"
+
+
+_NO_PLAN = _NoPlan()
+
+
+def _state_of_placeholder(placeholder: Any, o: Options) -> HybridAdamState:
+  """``init``'s state for the params placeholder of ``optax.tree_utils.tree_map_params``.
+
+  ``tree_map_params`` maps its function over every field where this state
+  holds the placeholder, and ``transform_non_params`` over the others: here
+  ``mu``, ``nu``, (with ``master_dtype``) ``master`` and (with 8-bit moments)
+  the scales are the params-shaped fields; ``count``, ``skipped`` and the
+  static ``plan`` are not.
+  """
+  count = jnp.zeros([], jnp.int32)
+  scales = placeholder if o.quantize_moments else None
+  return HybridAdamState(count=count, mu=placeholder, nu=placeholder, skipped=count,
+                         master=None if o.master_dtype is None else placeholder, mu_scales=scales,
+                         nu_scales=scales, plan=_NO_PLAN)
+
+
+# The state's fields shaped like the params: one array per param leaf each
+# (an empty entry where a leaf keeps nothing: Plan.empty_entries).
+PARAMS_SHAPED_FIELDS = ("mu", "nu", "master", "mu_scales", "nu_scales")
+
+# The pipeline reads a disk leaf's moments from its files and knows no master
+# where a leaf keeps none: it sees those fields' empty entries replaced by the
+# plan's files and by None, and the step puts the entries back afterwards.
+
+def _replaced_for_pipeline(plan: Plan) -> dict:
+  """``{field: {leaf index: what the pipeline reads there instead of the empty entry}}``."""
+  return {field: {i: dict(plan.leaves[i].files).get(field) for i in plan.empty_entries(field)}
+          for field in PARAMS_SHAPED_FIELDS}
+
+
+def _pipeline_view(state: HybridAdamState) -> HybridAdamState:
+  """``state`` as the pipeline reads it: files for disk moments, None where a leaf keeps no master."""
+  fields = {}
+  for field, by_leaf in _replaced_for_pipeline(state.plan).items():
+    tree = getattr(state, field)
+    if tree is None:
+      continue
+    leaves, treedef = jax.tree.flatten(tree)
+    if len(leaves) != len(state.plan.leaves):
+      return state  # not this plan's state: pipeline.gather says what does not fit
+    fields[field] = treedef.unflatten([by_leaf.get(i, x) for i, x in enumerate(leaves)])
+  return state._replace(**fields)
+
+
+def _with_empty_entries(new: HybridAdamState, old: HybridAdamState) -> HybridAdamState:
+  """The pipeline's next state ``new`` with ``old``'s empty entries back in place (typed like their state)."""
+  fields = {}
+  for field, by_leaf in _replaced_for_pipeline(old.plan).items():
+    if getattr(old, field) is None:
+      continue
+    old_leaves, treedef = jax.tree.flatten(getattr(old, field))
+    new_leaves = treedef.flatten_up_to(getattr(new, field))
+    kind = lambda i: placement.space_of_kind(old.plan.leaves[i].state_kind)
+    fields[field] = treedef.unflatten([_compat.move(old_leaves[i], kind(i)) if i in by_leaf else x
+                                       for i, x in enumerate(new_leaves)])
+  return new._replace(**fields)
 
 
 def _hybrid_adam(options: Options) -> HybridAdamW:
@@ -114,20 +241,21 @@ def _hybrid_adam(options: Options) -> HybridAdamW:
   disk_store: list = []  # the DiskStore, made by the first init that places a leaf on disk
 
   def init_fn(params):
+    if _compat.is_optax_params_placeholder(params):
+      return _state_of_placeholder(params, o)
     plan = make_plan(params, o)
-    if any(leaf.on_disk for leaf in plan.leaves) and (not disk_store or disk_store[0].closed):
-      disk_store[:] = [disk.DiskStore(o.nvme_offload_dir)]
     param_leaves, treedef = jax.tree.flatten(params)
-    arrays = [_state_arrays(p, leaf, disk_store[0] if disk_store else None)
-              for p, leaf in zip(param_leaves, plan.leaves)]
-    mu, nu, master = ([a[k] for a in arrays] for k in range(3))
-    state_leaves = [x for x in mu + nu if not isinstance(x, disk.DiskMoment)]
-    if not state_leaves:  # every moment on disk: the counter follows the params
-      state_leaves = [p for p in param_leaves if getattr(p, "committed", False)]
-    counter = lambda: placement.step_counter_like(state_leaves)
+    if any(leaf.on_disk for leaf in plan.leaves):
+      if not disk_store or disk_store[0].closed:
+        disk_store[:] = [disk.DiskStore(o.nvme_offload_dir)]
+      plan = _with_disk_files(plan, param_leaves, disk_store[0])
     has_master = o.master_dtype is not None
-    return HybridAdamState(count=counter(), mu=treedef.unflatten(mu), nu=treedef.unflatten(nu), skipped=counter(),
-                           master=treedef.unflatten(master) if has_master else None, plan=plan)
+    arrays = [_state_arrays(p, leaf, has_master) for p, leaf in zip(param_leaves, plan.leaves)]
+    mu, nu, master, no_scales = ([a[k] for a in arrays] for k in range(4))
+    counter = lambda: placement.step_counter_like(jax.tree.leaves(mu + nu))
+    return HybridAdamState(count=counter(), skipped=counter(), plan=plan,
+                           master=treedef.unflatten(master) if has_master else None,
+                           **_moment_fields(mu, nu, treedef, no_scales if o.quantize_moments else None))
 
   def step(grads, state, params, *, write_params):
     if not isinstance(state, HybridAdamState):
@@ -136,9 +264,10 @@ def _hybrid_adam(options: Options) -> HybridAdamW:
           f"optimizer's init, got {type(state).__name__}."
       )
     plan = state.plan
-    if plan is None:
-      raise TypeError("hybrid_adamw: the state has no placement plan (plan=None); make the state with "
+    if not isinstance(plan, Plan):
+      raise TypeError(f"hybrid_adamw: the state has no placement plan (plan={plan!r}); make the state with "
                       "this optimizer's init.")
+    stepped, state = state, _pipeline_view(state)
     treedef, leaves = pipeline.gather(grads, state, params, plan, write_params=write_params,
                                       disk_closed=bool(disk_store) and disk_store[0].closed)
     leaves, on_disk = pipeline.load_disk_moments(leaves, plan, after=state.count)
@@ -149,7 +278,8 @@ def _hybrid_adam(options: Options) -> HybridAdamW:
                                fused=write_params)
     outs = pipeline.gather_zero1(outs, plan)
     outs, written = pipeline.store_disk_moments(outs, on_disk)
-    return treedef.unflatten([out.first for out in outs]), _next_state(state, outs, treedef, step_ok, written)
+    new_state = _with_empty_entries(_next_state(state, outs, treedef, step_ok, written), stepped)
+    return treedef.unflatten([out.first for out in outs]), new_state
 
   def update_fn(updates, state, params=None, **extra_args):
     del extra_args
@@ -177,12 +307,86 @@ def _next_state(state: HybridAdamState, outs: list, treedef: Any, step_ok: Any, 
     count = count + written  # the next step's read of disk moments waits for this write
   return HybridAdamState(
       count=count,
-      mu=treedef.unflatten([out.mu for out in outs]),
-      nu=treedef.unflatten([out.nu for out in outs]),
       skipped=skipped,
       master=None if state.master is None else treedef.unflatten([out.master for out in outs]),
       plan=state.plan,
+      **_moment_fields([out.mu for out in outs], [out.nu for out in outs], treedef,
+                       None if state.mu_scales is None else [None] * len(outs)),
   )
+
+
+def _moment_fields(mu: list, nu: list, treedef: Any, no_scales: list | None) -> dict:
+  """The state's moment fields from one moment per leaf: 8-bit ones split into codes and scales.
+
+  ``no_scales``: per leaf, what the two scales fields hold where a leaf has
+  no 8-bit moments (its pair of empty entries at init; None after a step,
+  which :func:`_with_empty_entries` then replaces); ``None``: no scales
+  fields.
+  """
+  codes = lambda m: m.codes if isinstance(m, quantized.QuantizedMoment) else m
+  fields = {"mu": treedef.unflatten([codes(m) for m in mu]), "nu": treedef.unflatten([codes(v) for v in nu])}
+  if no_scales is not None:
+    for field, moments in (("mu_scales", mu), ("nu_scales", nu)):
+      fields[field] = treedef.unflatten([m.scales if isinstance(m, quantized.QuantizedMoment)
+                                         else None if absent is None else absent[field == "nu_scales"]
+                                         for m, absent in zip(moments, no_scales)])
+  return fields
+
+
+def moment_values(opt_state: Any) -> tuple[Any, Any]:
+  """The Adam moments of the :class:`HybridAdamState` in ``opt_state``, as float trees shaped like the params.
+
+  8-bit moments (``moment_format="8bit"``) are dequantized (code map value
+  times block scale), disk-tier moments are read from their files, and the
+  others are returned as stored. The values are copies on the default
+  device, for inspection (logging, debugging, converting a run); the step
+  never needs them.
+
+  Args:
+    opt_state: a ``HybridAdamState``, or any optimizer state holding exactly
+      one (inside ``optax.chain``, ``MultiSteps``, ``standard_optimizer``, ...).
+
+  Returns:
+    ``(mu, nu)``: two trees shaped like the params.
+
+  Raises:
+    ValueError: if ``opt_state`` holds no ``HybridAdamState``, or several.
+
+  Example:
+    >>> import jax.numpy as jnp, optax_hybrid
+    >>> params = {"w": jnp.ones((16, 512))}
+    >>> tx = optax_hybrid.hybrid_adamw(1e-3, moment_format="8bit")
+    >>> state = tx.init(params)
+    >>> params, state = tx.step(params, state, {"w": jnp.full((16, 512), 0.5)})
+    >>> state.mu["w"].dtype, state.mu_scales["w"].shape
+    (dtype('uint8'), (16, 2))
+    >>> mu, nu = optax_hybrid.moment_values(state)
+    >>> round(float(mu["w"][0, 0]), 5), round(float(nu["w"][0, 0]), 7)  # (1 - b1) g, (1 - b2) g^2, to 8 bits
+    (0.05, 0.00025)
+  """
+  found = [x for x in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, HybridAdamState))
+           if isinstance(x, HybridAdamState)]
+  if len(found) != 1:
+    raise ValueError(f"moment_values: `opt_state` must hold exactly one HybridAdamState, found {len(found)}"
+                     + ("; pass the HybridAdamState itself (for example from optax.tree_utils.tree_get_all_with_path"
+                        "(opt_state, 'mu'))." if found else " (no HybridAdamState: is this a hybrid_adamw state?)."))
+  state = _pipeline_view(found[0])
+  read = lambda x: disk.read(x) if isinstance(x, disk.DiskMoment) else jax.device_get(x)
+
+  def values(codes, scales, signed):
+    if scales is None:
+      return jnp.asarray(read(codes))
+    return quantized.dequantize(quantized.QuantizedMoment(jnp.asarray(read(codes)), jnp.asarray(read(scales))),
+                                signed=signed)
+
+  treedef = jax.tree.structure(state.mu, is_leaf=lambda x: isinstance(x, disk.DiskMoment))
+  out = []
+  for field, signed in (("mu", True), ("nu", False)):
+    codes = treedef.flatten_up_to(getattr(state, field))
+    scales_tree = getattr(state, field + "_scales")
+    scales = [None] * len(codes) if scales_tree is None else treedef.flatten_up_to(scales_tree)
+    out.append(treedef.unflatten([values(c, sc, signed) for c, sc in zip(codes, scales)]))
+  return out[0], out[1]
 
 
 def scale_by_hybrid_adam(
@@ -204,6 +408,7 @@ def scale_by_hybrid_adam(
     nvme_offload_fraction: float | None = None,
     nvme_offload_dir: Any = None,
     shard_state_over: str | None = None,
+    moment_format: str | None = None,
 ) -> optax.GradientTransformationExtraArgs:
   r"""The Adam direction, without the learning rate, for users who compose their own chain.
 
@@ -250,6 +455,7 @@ def hybrid_adamw(
     nvme_offload_fraction: float | None = None,
     nvme_offload_dir: Any = None,
     shard_state_over: str | None = None,
+    moment_format: str | None = None,
 ) -> HybridAdamW:
   r"""AdamW as ColossalAI's HybridAdam and ``torch.optim.AdamW`` compute it, with placeable state.
 
@@ -332,6 +538,15 @@ def hybrid_adamw(
       (:func:`optax_hybrid.tiers.zero1_sharding`). Each device then updates
       its shard and the update is gathered back to the param's sharding.
       Params must be placed with a ``NamedSharding`` on a mesh with that axis.
+    moment_format: how both moments are stored, instead of ``mu_dtype`` /
+      ``nu_dtype``: ``"float32"``, ``"bfloat16"``, ``"float16"``, or ``"8bit"``:
+      block-wise 8-bit (Dettmers et al. 2021), uint8 codes into a dynamic
+      code map plus one float32 scale per block of 256 values along the last
+      axis, 2.03 bytes per weight for both moments instead of 8 (leaves of
+      fewer than 4096 values, non-float leaves, and leaves whose state shards
+      would split a block keep float32 moments). Every tier and kernel takes
+      it; the update uses the new moments before they are quantized. See
+      :mod:`optax_hybrid.kernels.quantized`.
     master_dtype: keep a master copy in this dtype (e.g. ``jnp.float32``) for
       each lower-precision param (bf16, fp16), placed with its moments. The
       step is computed against the master; the new param is the new master

@@ -2,6 +2,8 @@ import collections
 import os
 import sys
 
+import pytest
+
 # Before anything imports jax: the tests run on the CPU backend. With the CUDA
 # PJRT plugin installed (the `gpu-compile` extra, for tests/test_gpu_compile.py,
 # which compiles for a GPU without one) JAX would otherwise try CUDA first and
@@ -11,6 +13,12 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 # The float64 NumPy references live beside the tests.
 sys.path.insert(0, os.path.dirname(__file__))
+
+from compile_flags import with_fast_compiles  # noqa: E402
+
+# Also before JAX starts: XLA:CPU compiles without LLVM's optimizations, about
+# 30% less CPU time for the suite (tests/compile_flags.py says what changes).
+os.environ["XLA_FLAGS"] = with_fast_compiles(os.environ.get("XLA_FLAGS", ""))
 
 try:
   from hypothesis import Phase, settings
@@ -22,10 +30,34 @@ else:
   settings.register_profile("mutation", phases=[Phase.explicit, Phase.generate])
 
 
+def pytest_configure(config):
+  # Also declared by pytest-xdist; declared here so that a run without it
+  # (`-p no:xdist`) does not warn about the marks below.
+  config.addinivalue_line("markers", "xdist_group(name): tests pytest-xdist runs in one worker (docs/testing.md)")
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook reads the marks
+def pytest_collection_modifyitems(config, items):
+  """Makes each test file one unit of work for pytest-xdist's ``--dist loadgroup``.
+
+  A worker then runs a whole file, as one process runs it alone: the file's
+  module fixtures and in-process compilation caches are built once, not once
+  per worker. A file whose tests fall into independent, expensive groups
+  marks them itself with ``pytest.mark.xdist_group`` (tests/test_gpu_compile.py
+  marks each tier, which compiles in its own subprocesses), and those groups
+  are units of their own. Without xdist (``-n 0``) the marks do nothing.
+  """
+  for item in items:
+    if item.get_closest_marker("xdist_group") is None:
+      item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::", 1)[0]))
+
+
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 # Skips that CI must not have: .ci/run installs torch's CPU wheel and builds the
-# native kernel, so both are tested there, and a skip would hide a broken install.
-NOT_SKIPPED_IN_CI = ("could not import 'torch'", "native kernel:")
+# native kernel, and the test extra installs Sphinx and MyST (the docs site), so
+# all are tested there, and a skip would hide a broken install.
+NOT_SKIPPED_IN_CI = ("could not import 'torch'", "native kernel:", "could not import 'sphinx'",
+                     "could not import 'myst_parser'")
 _skipped_in_ci = []
 
 

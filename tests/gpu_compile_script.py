@@ -51,7 +51,12 @@ TIERS = {
     "disk": dict(tiers="disk"),
 }
 DTYPES = {"f32": (jnp.float32, {}),
-          "bf16": (jnp.bfloat16, dict(mu_dtype=jnp.float32, nu_dtype=jnp.float32, master_dtype=jnp.float32))}
+          "bf16": (jnp.bfloat16, dict(mu_dtype=jnp.float32, nu_dtype=jnp.float32, master_dtype=jnp.float32)),
+          # 8-bit block-wise moments (codes and per-256-value scales), device tier only.
+          "f32_8bit": (jnp.float32, dict(moment_format="8bit")),
+          "bf16_8bit": (jnp.bfloat16, dict(moment_format="8bit", master_dtype=jnp.float32))}
+# The device tier's 8-bit combinations: the Pallas kernel, and "auto" (which is Pallas on CUDA).
+MOMENTS_8BIT = [("pallas", "f32_8bit"), ("auto", "bf16_8bit")]
 
 
 def combinations(tier: str, devices: int) -> list[dict]:
@@ -62,6 +67,8 @@ def combinations(tier: str, devices: int) -> list[dict]:
   tier, whose step makes ``io_callback`` s, has only xla/step/bf16: a host
   callback cannot be lowered for CUDA from a CPU-traced program (see
   docs/gpu_compile.md), so every disk combination stops at the same point.
+  The device tier adds the fused step with 8-bit moments (:data:`MOMENTS_8BIT`,
+  real inputs, H100), after the others.
   """
   if devices > 1:  # ZeRO-1 over the 8 GPUs for the host tiers
     return [dict(tier=tier, kernel="xla", path=path, dtype="bf16", inputs=inputs, targets=["h100"], devices=devices)
@@ -74,6 +81,9 @@ def combinations(tier: str, devices: int) -> list[dict]:
     targets = ["h100", "h200"] if (kernel, path, dtype) == ("xla", "step", "bf16") else ["h100"]
     out.append(dict(tier=tier, kernel=kernel, path=path, dtype=dtype, inputs=inputs, targets=targets,
                     devices=devices))
+  if tier == "device":
+    out += [dict(tier=tier, kernel=kernel, path="step", dtype=dtype, inputs="real", targets=["h100"], devices=devices)
+            for kernel, dtype in MOMENTS_8BIT]
   return out
 
 
@@ -107,17 +117,24 @@ def leaf_figures(combo: dict, params, plan_tiers) -> dict:
   """Bytes the assertions compare against: params, grads, state per tier, the largest leaves."""
   dtype, _ = DTYPES[combo["dtype"]]
   itemsize = np.dtype(dtype).itemsize
-  state_per_param = 8 + (4 if itemsize < 4 else 0)  # f32 mu, nu (and master)
+  master = 4 if itemsize < 4 else 0  # an f32 master for bf16 params
+  state_per_param = 8 + master  # f32 mu, nu (and master)
   sizes = [int(np.prod(x.shape)) for x in jax.tree.leaves(params)]
   devices = combo["devices"]
+
+  def state_of(n):
+    if combo["dtype"].endswith("8bit") and n >= 4096:  # uint8 codes + one f32 scale per 256 values, twice
+      return 2 * (n + 4 * n // 256) + master * n
+    return state_per_param * n
+
   figures = {"param_bytes": sum(sizes) * itemsize // devices, "stage_bytes": STAGE_BYTES,
              "num_params": sum(sizes), "state_per_param": state_per_param}
   for key in ("state_bytes", "largest_state_bytes", "largest_param_bytes"):
     figures[key] = {}
   for tier in ("device", "host_state", "host", "disk"):
     mine = [n for n, t in zip(sizes, plan_tiers) if t == tier]
-    figures["state_bytes"][tier] = sum(mine) * state_per_param // devices
-    figures["largest_state_bytes"][tier] = max(mine, default=0) * state_per_param // devices
+    figures["state_bytes"][tier] = sum(state_of(n) for n in mine) // devices
+    figures["largest_state_bytes"][tier] = max((state_of(n) for n in mine), default=0) // devices
     figures["largest_param_bytes"][tier] = max(mine, default=0) * itemsize // devices
   figures["tiers"] = list(plan_tiers)
   figures["grad_bytes"] = figures["param_bytes"]

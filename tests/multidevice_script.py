@@ -178,4 +178,77 @@ for case, options in cases.items():
       assert a.sharding == b.sharding, (case, kernel, a.sharding, b.sharding)
       np.testing.assert_allclose(np.asarray(jax.device_get(a)), np.asarray(jax.device_get(b)), rtol=1e-6,
                                  atol=1e-7, err_msg=f"{case} {kernel}")
+# optax.tree_utils.tree_map_params: the state's shardings from the params'
+# partition specs, for every tier that runs on a mesh and ZeRO-1, with fp32
+# masters for the bf16 leaves and empty entries for the float32 one ("b").
+# The state is placed with them (jax.device_put), and a step jitted with them
+# as in/out shardings equals the one-device step.
+import optax  # noqa: E402
+from optax_hybrid import tiers as tiers_lib  # noqa: E402
+
+mixed = {k: v.astype(np.float32 if k == "b" else jnp.bfloat16) for k, v in host_values.items()}
+mixed_grads = {k: jnp.asarray(v, mixed[k].dtype) for k, v in grads_np[0].items()}
+masters = dict(master_dtype=jnp.float32, mu_dtype=jnp.float32, nu_dtype=jnp.float32, weight_decay=0.1)
+one_tx = optax_hybrid.hybrid_adamw(1e-2, **masters)
+one_params = {k: jnp.asarray(v) for k, v in mixed.items()}
+want_params, _ = jax.jit(one_tx.step)(one_params, one_tx.init(one_params), mixed_grads)
+OTHER = P()  # count, skipped and the plan: replicated
+for name, options in {"device": dict(tiers="device"), "host_state": dict(tiers="host_state"),
+                      "host": dict(tiers="host"), "ZeRO-1": dict(tiers="host_state", shard_state_over="data")}.items():
+  tx_m = optax_hybrid.hybrid_adamw(1e-2, **masters, **options)
+  params_m = {k: jax.device_put(v, NamedSharding(mesh, specs[k])) for k, v in mixed.items()}
+  if name == "ZeRO-1":  # replicated params; the state's specs are the params' split over "data"
+    params_m = {k: jax.device_put(v, NamedSharding(mesh, P())) for k, v in mixed.items()}
+  param_specs = {k: v.sharding.spec for k, v in params_m.items()}
+  state_specs = param_specs if name != "ZeRO-1" else {
+      k: (tiers_lib.zero1_sharding(p, "data") or p.sharding).spec for k, p in params_m.items()}
+  state_m = tx_m.init(params_m)
+  # Optax's alias-test form: the params-shaped fields map to the specs, the rest to OTHER.
+  got = optax.tree_utils.tree_map_params(tx_m, lambda _, spec: spec, state_m, state_specs,
+                                         transform_non_params=lambda _: OTHER)
+  assert got == optax_hybrid.HybridAdamState(OTHER, state_specs, state_specs, OTHER, state_specs, plan=OTHER), (name, got)
+  # Shardings with each entry's memory kind; the plan's entry is a replicated sharding.
+  shardings = optax.tree_utils.tree_map_params(
+      tx_m, lambda x, spec: NamedSharding(mesh, spec, memory_kind=x.sharding.memory_kind), state_m, state_specs,
+      transform_non_params=lambda _: NamedSharding(mesh, OTHER))
+  placed = jax.device_put(state_m, shardings)
+  for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(placed), jax.tree.leaves(state_m)):
+    assert a.sharding.is_equivalent_to(b.sharding, a.ndim), (name, path, a.sharding, b.sharding)
+  assert placed.master["b"].shape == (0,) and placed.master["w"].sharding.memory_kind == tx_m.init(
+      params_m).master["w"].sharding.memory_kind
+  param_shardings = jax.tree.map(lambda p: p.sharding, params_m)
+  jitted = jax.jit(tx_m.step, in_shardings=(param_shardings, shardings, param_shardings),
+                   out_shardings=(param_shardings, shardings), donate_argnums=(0, 1))
+  got_params, got_state = jitted(params_m, placed, {k: jax.device_put(v, param_shardings[k])
+                                                     for k, v in mixed_grads.items()})
+  for k in shapes:
+    np.testing.assert_array_equal(np.asarray(jax.device_get(got_params[k]), np.float32),
+                                  np.asarray(want_params[k], np.float32), err_msg=f"{name} {k}")
+  for a, b in zip(jax.tree.leaves(got_state), jax.tree.leaves(shardings)):
+    assert a.sharding.is_equivalent_to(b, a.ndim), (name, a.sharding, b)
+
+# A checkpoint saved on the (4, 2) mesh restores onto another mesh (8 devices
+# in another order, another axis layout) and into another tier.
+with tempfile.TemporaryDirectory() as d:
+  manager = optax_hybrid.checkpoint.manager(d)
+  optax_hybrid.checkpoint.save(manager, 4, {"params": params, "opt": state}, wait=True)
+  other_mesh = jax.sharding.Mesh(np.array(jax.devices()[::-1]).reshape(2, 4), ("data", "model"))
+  other_specs = {"w": P("model", "data"), "b": P(), "r": P(), "h": P(None, None)}
+  other_params = {k: jax.device_put(v, NamedSharding(other_mesh, other_specs[k])) for k, v in host_values.items()}
+  other_tx = optax_hybrid.hybrid_adamw(sched, weight_decay=0.1, tiers="host")
+  like = {"params": other_params, "opt": other_tx.init(other_params)}
+  restored = optax_hybrid.checkpoint.restore(manager, like=like)
+  for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(restored), jax.tree.leaves(like)):
+    assert a.sharding == b.sharding, (path, a.sharding, b.sharding)
+  for k in shapes:
+    np.testing.assert_array_equal(np.asarray(jax.device_get(restored["opt"].nu[k])),
+                                  np.asarray(jax.device_get(state.nu[k])))
+  assert int(restored["opt"].count) == int(state.count)
+  # Stepping from there equals stepping the saved state.
+  other_grads = {k: jax.device_put(v, NamedSharding(other_mesh, other_specs[k])) for k, v in grads_np[0].items()}
+  p_a, s_a = jax.jit(other_tx.step)(restored["params"], restored["opt"], other_grads)
+  p_b, s_b = jax.jit(tx.step)(params, state, shard(grads_np[0]))
+  for k in shapes:
+    np.testing.assert_allclose(np.asarray(jax.device_get(p_a[k])), np.asarray(jax.device_get(p_b[k])), rtol=1e-6,
+                               atol=1e-7)
 print("MULTIDEVICE OK")

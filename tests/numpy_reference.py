@@ -67,3 +67,83 @@ def adamw_steps_stored_as(params, grads_per_step, lr, store_dtype, *, b1=0.9, b2
       p[k] = np.asarray((p[k] + u).astype(store_dtype), np.float64)
     history.append({k: x.copy() for k, x in p.items()})
   return history, m
+
+
+# ---------------------------------------------------------------------------
+# 8-bit block-wise moments (Dettmers et al. 2021, "8-bit Optimizers via
+# Block-wise Quantization"), modelled from the paper's description: dynamic
+# tree maps, block absmax scales along the last axis, nearest code.
+
+QUANT_BLOCK = 256
+
+
+def dynamic_tree_map(signed):
+  """The paper's dynamic data type as a sorted float64 array of 256 values.
+
+  A code is [sign bit] then E zero bits (the value's decade, 10**-E), a one
+  bit, then linear fraction bits dividing (0.1, 1] of that decade; all
+  zeros is 0. Built by enumerating every bit pattern.
+  """
+  values = []
+  magnitude_bits = 7 if signed else 8
+  for code in range(2**magnitude_bits):
+    bits = format(code, f"0{magnitude_bits}b")
+    if "1" not in bits:
+      values.append(0.0)
+      continue
+    e = bits.index("1")
+    fraction_bits = bits[e + 1:]
+    steps = 2**len(fraction_bits)
+    i = int(fraction_bits, 2) if fraction_bits else 0
+    values.append(10.0**-e * (0.1 + 0.9 * (i + 1) / steps))
+  values = np.asarray(values)
+  if signed:
+    values = np.concatenate([values, -values])
+  return np.sort(values)
+
+
+def quantize_blockwise(x, signed):
+  """float64 ``x`` (..., L) -> (codes as indices into the sorted map, scales (..., ceil(L/256))).
+
+  The nearest map value to x/scale (lowest index on a tie), scale = the
+  block's max |x| (0 for an all-zero block, whose codes are those of 0).
+  """
+  table = dynamic_tree_map(signed)
+  x = np.asarray(x, np.float64)
+  last = x.shape[-1]
+  nb = -(-last // QUANT_BLOCK)
+  padded = np.zeros(x.shape[:-1] + (nb * QUANT_BLOCK,))
+  padded[..., :last] = x
+  blocks = padded.reshape(x.shape[:-1] + (nb, QUANT_BLOCK))
+  scales = np.abs(blocks).max(axis=-1)
+  normalized = blocks / np.where(scales > 0, scales, 1.0)[..., None]
+  codes = np.abs(normalized[..., None] - table).argmin(axis=-1)
+  return codes.reshape(x.shape[:-1] + (nb * QUANT_BLOCK,))[..., :last], scales
+
+
+def dequantize_blockwise(codes, scales, signed):
+  """The float64 values of (codes, scales)."""
+  table = dynamic_tree_map(signed)
+  per_value = np.repeat(np.asarray(scales, np.float64), QUANT_BLOCK, axis=-1)[..., :codes.shape[-1]]
+  return table[np.asarray(codes, np.int64)] * per_value
+
+
+def adamw_step_8bit(g, p, m_codes, m_scales, v_codes, v_scales, *, lr, t, b1=0.9, b2=0.999, eps=1e-8,
+                    weight_decay=0.0, adamw_mode=True, bias_correction=True):
+  """One AdamW step with 8-bit moments, float64: dequantize, step, quantize.
+
+  The update uses the new moments before quantization (as bitsandbytes'
+  8-bit Adam does). Returns (new param, (m codes, m scales), (v codes, v scales)).
+  """
+  g = np.asarray(g, np.float64)
+  p = np.asarray(p, np.float64)
+  if not adamw_mode:
+    g = g + weight_decay * p
+  m = b1 * dequantize_blockwise(m_codes, m_scales, True) + (1 - b1) * g
+  v = b2 * dequantize_blockwise(v_codes, v_scales, False) + (1 - b2) * g * g
+  bc1 = 1 - b1**t if bias_correction else 1.0
+  bc2 = 1 - b2**t if bias_correction else 1.0
+  new_p = p - lr / bc1 * m / (np.sqrt(v) / math.sqrt(bc2) + eps)
+  if adamw_mode:
+    new_p = new_p - lr * weight_decay * p
+  return new_p, quantize_blockwise(m, True), quantize_blockwise(v, False)

@@ -85,3 +85,126 @@ def test_round_trip_keeps_memory_kinds_in_process(tmp_path):
   (tmp_path / "file").write_text("x")
   with pytest.raises(ValueError, match="not a directory"):
     optax_hybrid.checkpoint.manager(tmp_path / "file")
+
+
+# --- Restoring into another placement, with master weights turned on or off ---
+
+TIERS = ["device", "host_state", "host", "disk"]
+needs_host = pytest.mark.skipif("pinned_host" not in optax_hybrid.available_memory_kinds(),
+                                reason="no pinned_host memory on this backend")
+# bf16 leaves keep an fp32 master with master_dtype; "b" (float32) keeps none.
+SHAPES = {"w": (16, 8), "b": (8,), "s": ()}
+F32 = dict(mu_dtype=jnp.float32, nu_dtype=jnp.float32, weight_decay=0.1, kernel="xla")
+
+
+def mixed_params():
+  rng = np.random.default_rng(0)
+  params = {k: jnp.asarray(rng.normal(size=s), jnp.float32 if k == "b" else jnp.bfloat16) for k, s in SHAPES.items()}
+  return jax.device_put(params, jax.devices()[0])
+
+
+def mixed_grads(n):
+  rng = np.random.default_rng(1)
+  return [{k: jnp.asarray(rng.normal(size=s), jnp.float32 if k == "b" else jnp.bfloat16) for k, s in SHAPES.items()}
+          for _ in range(n)]
+
+
+def steps(tx, params, state, grads):
+  step = jax.jit(tx.step)
+  for g in grads:
+    params, state = step(params, state, g)
+  return params, state
+
+
+@pytest.fixture(scope="module")
+def saved_runs(tmp_path_factory):
+  """One device-tier run, saved twice: without masters at step 2, with masters at step 3.
+
+  Masters are added by hand between the two (made from the params as init
+  makes them, the moments kept), not through a checkpoint: the reference for
+  what restoring into a state with masters must give.
+  """
+  params, grads = mixed_params(), mixed_grads(3)
+  plain, mastered = (optax_hybrid.hybrid_adamw(1e-2, **F32),
+                     optax_hybrid.hybrid_adamw(1e-2, master_dtype=jnp.float32, **F32))
+  p2, s2 = steps(plain, params, plain.init(params), grads[:2])
+  with_master = mastered.init(p2)._replace(mu=s2.mu, nu=s2.nu, count=s2.count, skipped=s2.skipped)
+  p3, s3 = steps(mastered, p2, with_master, grads[2:])
+  manager = optax_hybrid.checkpoint.manager(tmp_path_factory.mktemp("runs"))
+  optax_hybrid.checkpoint.save(manager, 2, {"params": p2, "opt": s2}, wait=True)
+  optax_hybrid.checkpoint.save(manager, 3, {"params": p3, "opt": s3}, wait=True)
+  return dict(manager=manager, grad=grads[2], p2=p2, s2=s2, p3=p3, s3=s3)
+
+
+def assert_close(got, want, what, rtol=2**-7):
+  for k in SHAPES:
+    np.testing.assert_allclose(np.asarray(got[k], np.float32), np.asarray(want[k], np.float32), rtol=rtol,
+                               atol=1e-6 if rtol else 0, err_msg=f"{what}[{k!r}]")
+
+
+@needs_host
+@pytest.mark.parametrize("tier", TIERS)
+def test_master_weights_turned_on_and_off_across_a_checkpoint_into_every_tier(tier, saved_runs, tmp_path):
+  run, kind = saved_runs, "device" if tier == "device" else "pinned_host"
+  plain = optax_hybrid.hybrid_adamw(1e-2, tiers=tier, nvme_offload_dir=tmp_path, **F32)
+  mastered = optax_hybrid.hybrid_adamw(1e-2, tiers=tier, nvme_offload_dir=tmp_path, master_dtype=jnp.float32, **F32)
+  abstract = optax_hybrid.checkpoint.abstract_like(mixed_params())
+
+  # On: step 2 was saved without masters; this state keeps them for "w" and "s".
+  like = {"params": abstract, "opt": mastered.init(abstract)}
+  with pytest.raises(ValueError, match=r"has no master weights for like\['opt'\]\.master\['s'\].*"
+                                       r"masters_from=lambda restored: restored\['params'\]"):
+    optax_hybrid.checkpoint.restore(run["manager"], like, step=2)
+  on = optax_hybrid.checkpoint.restore(run["manager"], like, step=2, masters_from=lambda restored: restored["params"])
+  for k in ("w", "s"):  # each master is its restored param, exactly as init makes it
+    np.testing.assert_array_equal(np.asarray(on["opt"].master[k]), np.asarray(run["p2"][k], np.float32))
+    assert on["opt"].master[k].dtype == jnp.float32 and on["opt"].master[k].sharding.memory_kind == kind
+  assert on["opt"].master["b"].shape == (0,)  # float32: no master, an empty entry
+  assert int(on["opt"].count) == 2 and on["opt"].plan == like["opt"].plan
+  for field in ("mu", "nu"):
+    assert_close(moment_values(on["opt"], field), getattr(run["s2"], field), f"restored {field}", rtol=0)
+  # The next step lands where the run with masters added by hand did.
+  p3, s3 = steps(mastered, on["params"], on["opt"], [run["grad"]])
+  assert_close(p3, run["p3"], "params after the step with masters")
+  assert_close({**s3.master, "b": p3["b"]}, {**run["s3"].master, "b": run["p3"]["b"]}, "masters")
+
+  # Off: step 3 was saved with masters; this state keeps none, and reads none.
+  off = optax_hybrid.checkpoint.restore(run["manager"], {"params": abstract, "opt": plain.init(abstract)}, step=3)
+  assert off["opt"].master is None and int(off["opt"].count) == 3
+  for field in ("mu", "nu"):
+    assert_close(moment_values(off["opt"], field), getattr(run["s3"], field), f"restored {field}", rtol=0)
+    assert all(x.sharding.memory_kind == kind for x in jax.tree.leaves(getattr(off["opt"], field)))
+  assert_close(off["params"], run["p3"], "restored params", rtol=0)
+  plain.close()
+  mastered.close()
+
+
+def moment_values(state, field):
+  """A state's moments by param name, read from the files for disk-tier leaves."""
+  files = optax_hybrid.disk.files_of(state, field)
+  return {k: getattr(state, field)[k] if files[k] is None else optax_hybrid.disk.read(files[k]) for k in SHAPES}
+
+
+def test_leaves_that_change_dtype_gain_or_lose_their_master(tmp_path):
+  # Saved with master_dtype while "s" was float32 (no master); restored with
+  # "s" in bf16, which now keeps one: built from its restored param, between
+  # "b" (an empty entry) and "w" (restored).
+  params = mixed_params()
+  saved = {**params, "s": params["s"].astype(jnp.float32)}
+  tx = optax_hybrid.hybrid_adamw(1e-2, master_dtype=jnp.float32, **F32)
+  manager = optax_hybrid.checkpoint.manager(tmp_path / "ckpt")
+  _, state = steps(tx, saved, tx.init(saved), mixed_grads(1))
+  optax_hybrid.checkpoint.save(manager, 1, {"params": saved, "opt": state}, wait=True)
+  like = {"params": params, "opt": tx.init(params)}
+  with pytest.raises(ValueError, match=r"no master weights for like\['opt'\]\.master\['s'\]"):
+    optax_hybrid.checkpoint.restore(manager, like)
+  restored = optax_hybrid.checkpoint.restore(manager, like, masters_from=lambda r: r["params"])
+  want_s = np.asarray(saved["s"]).astype(jnp.bfloat16).astype(np.float32)  # the bf16 param, as init converts it
+  np.testing.assert_array_equal(np.asarray(restored["opt"].master["s"]), want_s)
+  np.testing.assert_array_equal(np.asarray(restored["opt"].master["w"]), np.asarray(state.master["w"]))
+  assert restored["opt"].master["b"].shape == (0,)
+  # Restored with "w" in float32, which keeps no master now: its saved master is not read.
+  f32 = jax.tree.map(lambda p: p.astype(jnp.float32), params)
+  again = optax_hybrid.checkpoint.restore(manager, {"params": f32, "opt": tx.init(f32)})
+  assert [again["opt"].master[k].shape for k in ("b", "s", "w")] == [(0,), (0,), (0, 0)]
+  np.testing.assert_array_equal(np.asarray(again["opt"].nu["w"]), np.asarray(state.nu["w"]))

@@ -29,18 +29,22 @@ def test_disk_tier_equals_the_device_step_and_keeps_no_moment_arrays(fused, tmp_
   tx = optax_hybrid.hybrid_adamw(1e-2, tiers={"emb": "disk", "w": "host", "b": "disk", "s": "device"},
                                  nvme_offload_dir=tmp_path, **kw)
   got, state = run(tx, params, grads, fused)
-  assert isinstance(state.mu["emb"], disk.DiskMoment) and isinstance(state.nu["b"], disk.DiskMoment)
-  assert len(jax.tree.leaves(state.mu)) == 2  # only w and s hold arrays
+  mu_files, nu_files = disk.files_of(state, "mu"), disk.files_of(state, "nu")
+  assert isinstance(mu_files["emb"], disk.DiskMoment) and isinstance(nu_files["b"], disk.DiskMoment)
+  assert mu_files["w"] is None and nu_files["s"] is None
+  # Disk leaves hold empty entries: one array per param, no bytes.
+  assert state.mu["emb"].shape == (0, 0) and state.nu["b"].shape == (0,)
+  assert sum(x.size for x in jax.tree.leaves(state.mu)) == 8 * 4 + 1  # only w and s hold moments
   for k in params:
     np.testing.assert_allclose(np.asarray(got[k]), np.asarray(want[k]), rtol=1e-6, atol=1e-7)
   for k in ("emb", "b"):
-    np.testing.assert_allclose(disk.read(state.mu[k]), np.asarray(want_state.mu[k]), rtol=1e-6, atol=1e-8)
-    np.testing.assert_allclose(disk.read(state.nu[k]), np.asarray(want_state.nu[k]), rtol=1e-6, atol=1e-10)
+    np.testing.assert_allclose(disk.read(mu_files[k]), np.asarray(want_state.mu[k]), rtol=1e-6, atol=1e-8)
+    np.testing.assert_allclose(disk.read(nu_files[k]), np.asarray(want_state.nu[k]), rtol=1e-6, atol=1e-10)
   # A skipped step leaves the files as they were.
-  before = disk.read(state.mu["emb"]).copy()
+  before = disk.read(mu_files["emb"]).copy()
   bad = jax.tree.map(lambda g: g * jnp.nan, grads[0])
   _, state = run(tx, got, [bad], fused, state=state)
-  np.testing.assert_array_equal(disk.read(state.mu["emb"]), before)
+  np.testing.assert_array_equal(disk.read(disk.files_of(state)["emb"]), before)
   tx.close()
 
 
@@ -48,16 +52,17 @@ def test_files_are_private_and_removed_on_close():
   params = make_params()
   tx = optax_hybrid.hybrid_adamw(1e-2, tiers="disk")
   state = tx.init(params)
-  files = [m.path for tree in (state.mu, state.nu)
-           for m in jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, disk.DiskMoment))]
+  files = [m.path for field in ("mu", "nu")
+           for m in jax.tree.leaves(disk.files_of(state, field), is_leaf=lambda x: isinstance(x, disk.DiskMoment))]
   directory = os.path.dirname(files[0])
   assert len(files) == 8 and all(os.path.dirname(f) == directory for f in files)
   assert stat.S_IMODE(os.stat(directory).st_mode) == 0o700
   for f in files:
     assert stat.S_IMODE(os.stat(f).st_mode) == 0o600
   for k, p in params.items():
-    assert os.path.getsize(state.mu[k].path) == p.size * 4 == os.path.getsize(state.nu[k].path)
-  np.testing.assert_array_equal(disk.read(state.mu["emb"]), np.zeros((40, 8), np.float32))
+    assert os.path.getsize(disk.files_of(state, "mu")[k].path) == p.size * 4
+    assert os.path.getsize(disk.files_of(state, "nu")[k].path) == p.size * 4
+  np.testing.assert_array_equal(disk.read(disk.files_of(state)["emb"]), np.zeros((40, 8), np.float32))
   tx.close()
   assert not os.path.exists(directory)
   with pytest.raises(ValueError, match="removed by tx.close"):
@@ -72,14 +77,14 @@ def test_a_symlink_planted_in_place_of_a_file_is_refused_not_followed(tmp_path):
   work.mkdir()
   tx = optax_hybrid.hybrid_adamw(1e-2, tiers="disk", nvme_offload_dir=work)
   state = tx.init(params)
-  target = state.mu["emb"].path
+  target = disk.files_of(state)["emb"].path
   os.unlink(target)
   os.symlink(outside, target)
   with pytest.raises(Exception, match="(?i)symbolic links|too many levels|ELOOP|not a regular file"):
     jax.block_until_ready(jax.jit(tx.step)(params, state, params))
   assert outside.read_bytes() == b"keep me"
   with pytest.raises(OSError):
-    disk.write(state.mu["emb"], np.zeros((40, 8), np.float32))
+    disk.write(disk.files_of(state)["emb"], np.zeros((40, 8), np.float32))
   assert outside.read_bytes() == b"keep me"
   tx.close()
 
@@ -159,10 +164,42 @@ def test_checkpoint_saves_and_restores_the_files(tmp_path):
                                   nvme_offload_dir=tmp_path)
   fresh = {"params": make_params(), "opt_state": tx2.init(make_params())}
   restored = optax_hybrid.checkpoint.restore(manager, fresh)
-  assert restored["opt_state"].mu["emb"].path == fresh["opt_state"].mu["emb"].path
+  assert restored["opt_state"].plan == fresh["opt_state"].plan  # the new run's files, now holding the values
   resumed = run(tx2, restored["params"], grads[2:], state=restored["opt_state"])
   for a, b in zip(jax.tree.leaves(straight[0]), jax.tree.leaves(resumed[0])):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-  np.testing.assert_array_equal(disk.read(resumed[1].mu["emb"]), disk.read(straight[1].mu["emb"]))
+  np.testing.assert_array_equal(disk.read(disk.files_of(resumed[1])["emb"]),
+                                disk.read(disk.files_of(straight[1])["emb"]))
+  assert disk.files_of(resumed[1])["emb"] != disk.files_of(straight[1])["emb"]
   tx.close()
   tx2.close()
+
+
+def test_nnx_checkpoint_of_disk_moments_keeps_the_plan_or_is_refused(tmp_path):
+  pytest.importorskip("orbax.checkpoint")
+  nnx = pytest.importorskip("flax.nnx")
+
+  def make():
+    model = nnx.Linear(8, 4, rngs=nnx.Rngs(0))
+    return model, nnx.Optimizer(model, optax_hybrid.hybrid_adamw(1e-2, tiers="disk", nvme_offload_dir=tmp_path),
+                                wrt=nnx.Param)
+
+  model, optimizer = make()
+  grads = jax.tree.map(jnp.ones_like, nnx.state(model, nnx.Param))
+  step = nnx.jit(lambda model, optimizer, grads: optimizer.update(model, grads))
+  step(model, optimizer, grads)
+  manager = optax_hybrid.checkpoint.manager(tmp_path / "ckpt")
+  # nnx.state(optimizer) leaves out the plan that names the files: refused, not saved without the moments.
+  with pytest.raises(ValueError, match=r"hold no values: they are disk-tier moments.*'opt_state': optimizer\.opt_state"):
+    optax_hybrid.checkpoint.save(manager, 1, {"model": nnx.state(model), "optimizer": nnx.state(optimizer)})
+  checkpointed = lambda model, optimizer: {"model": nnx.state(model), "opt_state": optimizer.opt_state,
+                                           "step": optimizer.step}
+  optax_hybrid.checkpoint.save(manager, 1, checkpointed(model, optimizer), wait=True)
+  model2, optimizer2 = make()
+  restored = optax_hybrid.checkpoint.restore(manager, like=checkpointed(model2, optimizer2))
+  nnx.update(model2, restored["model"])
+  optimizer2.opt_state, optimizer2.step = restored["opt_state"], restored["step"]
+  step(model, optimizer, grads)
+  step(model2, optimizer2, grads)
+  np.testing.assert_array_equal(np.asarray(model2.kernel[...]), np.asarray(model.kernel[...]))
+  assert int(optimizer2.step[...]) == 2

@@ -96,9 +96,37 @@ def manager_with_step_1():
   return manager
 
 
+def restore_masters(masters_from=None, params_like=PARAMS_BF16):
+  """Restores a checkpoint saved without master weights into a state that keeps them."""
+  manager = empty_manager()
+  optax_hybrid.checkpoint.save(manager, 1, {"params": PARAMS_BF16, "opt": hybrid().init(PARAMS_BF16)}, wait=True)
+  like = {"params": PARAMS_BF16, "opt": hybrid(master_dtype=jnp.float32).init(PARAMS_BF16)}
+  kw = {} if masters_from is None else {"masters_from": masters_from}
+  return optax_hybrid.checkpoint.restore(manager, like=like, **kw)
+
+
+def disk_state_without_its_plan(restore=False):
+  """A disk-tier state as a plain dict (as nnx.state gives it): the plan naming its files is left out."""
+  tx = hybrid(tiers="disk")
+  state = tx.init(PARAMS)
+  manager = empty_manager()
+  if not restore:
+    return optax_hybrid.checkpoint.save(manager, 1, {"opt": state._asdict()}, wait=True)
+  optax_hybrid.checkpoint.save(manager, 1, {"opt": state}, wait=True)
+  return optax_hybrid.checkpoint.restore(manager, like={"opt": tx.init(PARAMS)._asdict()})
+
+
 S = optax_hybrid.warmup_cosine_schedule
+def _update_without_scales():
+  big = {"w": jnp.ones((16, 512))}
+  tx = hybrid(moment_format="8bit")
+  state = tx.init(big)
+  tx.update(big, state._replace(mu_scales=None, nu_scales=None), big)
+
+
 TRIGGERS = {
     "schedule-total": lambda: S(1.0, total_steps=10, warmup_steps=10),
+    "schedule-total-too-large": lambda: S(1.0, total_steps=2**63),
     "schedule-warmup": lambda: S(1.0, total_steps=10, warmup_steps=-1),
     "schedule-peak": lambda: S(-1.0, total_steps=10),
     "schedule-eta-negative": lambda: S(1.0, total_steps=10, eta_min=-0.5),
@@ -119,6 +147,9 @@ TRIGGERS = {
     "hyperparameter-type": lambda: hybrid(b1=jnp.ones(3)),
     "flag-type": lambda: hybrid(adamw_mode="yes"),
     "kernel-unknown": lambda: hybrid(kernel="cuda"),
+    "moment-format-unknown": lambda: hybrid(moment_format="int8"),
+    "moment-format-and-dtypes": lambda: hybrid(moment_format="8bit", nu_dtype=jnp.bfloat16),
+    "quantized-state-no-scales": lambda: _update_without_scales(),
     "memory-kind-unknown": lambda: hybrid(state_memory_kind="unpinned_host"),
     "memory-kind-missing": lambda: placement.check_memory_kind("pinned_host", fake_device_without_host()),
     "memory-kind-callable": lambda: hybrid(state_memory_kind=lambda path, p: "vram").init({"w": PARAMS["w"]}),
@@ -190,6 +221,11 @@ TRIGGERS = {
     "checkpoint-not-dir": lambda: optax_hybrid.checkpoint.manager(tmp_file()),
     "checkpoint-none": lambda: optax_hybrid.checkpoint.restore(empty_manager(), like={"x": jnp.zeros(2)}),
     "checkpoint-step": lambda: optax_hybrid.checkpoint.restore(manager_with_step_1(), like={"x": jnp.zeros(2)}, step=7),
+    "checkpoint-master-missing": restore_masters,
+    "checkpoint-disk-without-plan": disk_state_without_its_plan,
+    "checkpoint-restore-disk-without-plan": lambda: disk_state_without_its_plan(restore=True),
+    "checkpoint-masters-from-param": lambda: restore_masters(lambda restored: {"w": restored["params"]["w"]}),
+    "checkpoint-masters-from-type": lambda: restore_masters("params"),
 }
 
 ROWS = table_rows()

@@ -20,8 +20,11 @@ def test_smoke_run_passes_its_checks_and_prints_every_section(capsys):
     assert heading in out
   assert "FAIL" not in out and "all checks passed" in out
   for variant in ("optax.adamw", "ours pallas, tx.step", "ours xla, update+apply",
-                  "ours pallas, pinned_host moments, tx.step"):
+                  "ours pallas, pinned_host moments, tx.step", "ours pallas, 8-bit moments, tx.step"):
     assert f"| {variant}" in out
+  for check in ("8-bit moments: pallas == the XLA rule", "8-bit moments: pallas == the float64 model",
+                "8-bit moments: one Triton launch"):
+    assert f"PASS  {check}" in out
 
 
 def test_without_a_gpu_the_full_run_refuses_instead_of_timing_interpret_mode(capsys):

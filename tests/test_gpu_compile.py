@@ -26,10 +26,15 @@ rest run in a new subprocess. Every combination asserts:
   that real and abstract inputs both get that far;
 * real and abstract inputs (``jax.ShapeDtypeStruct`` s of the state with its
   shardings, or ``tx.init`` called on ``ShapeDtypeStruct`` params) compile to
-  the same memory figures.
+  the same memory figures;
+* 8-bit moments (device tier, ``kernel="pallas"`` and ``"auto"``): one Triton
+  launch, codes and scales aliased in place, no float32 copy of the moments
+  among the arguments or the temporaries.
 
-The figures of every combination are printed (``-s``) and the sharded cases
-run on a deviceless 8-GPU topology.
+The figures of every combination are printed (``-n 0 -s``: pytest-xdist
+workers' output is not shown) and the sharded cases run on a deviceless 8-GPU
+topology. Under pytest-xdist each tier's tests run in one worker
+(:func:`same_worker`).
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ import sys
 
 import pytest
 
+from compile_flags import without_fast_compiles
 from loading import load_script
 
 pytest.importorskip("jax_cuda12_plugin", reason="needs the gpu-compile extra (jax-cuda12-plugin, jax-cuda12-pjrt)")
@@ -59,7 +65,9 @@ SHARDED_DEVICES = 8
 def compile_tier(tier: str, devices: int = 1) -> dict:
   """Runs every combination of a tier in subprocesses; returns {index: result}."""
   combos = script.combinations(tier, devices)
-  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  # XLA's own optimization of the GPU programs, as a user's compile gets it:
+  # the figures are what these tests measure (tests/compile_flags.py).
+  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=without_fast_compiles(os.environ.get("XLA_FLAGS", "")))
   if devices > 1:
     env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
   results, start = {}, 0
@@ -91,10 +99,20 @@ def combo_id(c: dict) -> str:
       f"-{c['devices']}gpus" if c["devices"] > 1 else "")
 
 
+def same_worker(tier: str, devices: int = 1):
+  """The mark that runs every test of one :func:`compile_tier` call in one pytest-xdist worker.
+
+  Each tier's subprocesses then run once, in one worker, and different tiers
+  can run in different workers (tests/conftest.py; docs/testing.md).
+  """
+  return pytest.mark.xdist_group(f"tests/test_gpu_compile.py:{tier}-{devices}")
+
+
 CASES = [(tier, 1, i) for tier in TIERS for i in range(len(script.combinations(tier, 1)))]
 CASES += [(tier, SHARDED_DEVICES, i) for tier in SHARDED_TIERS
           for i in range(len(script.combinations(tier, SHARDED_DEVICES)))]
 IDS = [combo_id(script.combinations(t, d)[i]) for t, d, i in CASES]
+CASE_PARAMS = [pytest.param(t, d, i, id=case_id, marks=same_worker(t, d)) for (t, d, i), case_id in zip(CASES, IDS)]
 
 
 def describe(report: dict, figures: dict) -> str:
@@ -115,7 +133,7 @@ def check_tier_promise(combo: dict, report: dict, figures: dict) -> None:
   assert not report["warnings"], f"host-offloader fallback: {report['warnings'][:2]}; {why}"
   if tier == "device":
     # A param that a master stands in for is not read by tx.step: jit drops the argument.
-    read_params = 0 if (combo["dtype"] == "bf16" and combo["path"] == "step") else params
+    read_params = 0 if (combo["dtype"].startswith("bf16") and combo["path"] == "step") else params
     assert report["device_argument_bytes"] >= read_params + grads + state["device"], why
     assert report["host_argument_bytes"] + report["host_temp_bytes"] <= SLACK, why
     return
@@ -152,7 +170,7 @@ def check_tier_promise(combo: dict, report: dict, figures: dict) -> None:
 DISK_LOWERING_ERROR = "is different from the lowering platform cuda"
 
 
-@pytest.mark.parametrize("tier,devices,index", CASES, ids=IDS)
+@pytest.mark.parametrize("tier,devices,index", CASE_PARAMS)
 def test_step_compiles_for_gpu_and_keeps_its_tier_promise(tier, devices, index):
   result = compile_tier(tier, devices)[index]
   if tier == "disk":
@@ -164,11 +182,14 @@ def test_step_compiles_for_gpu_and_keeps_its_tier_promise(tier, devices, index):
     check_tier_promise(result["combo"], report, result["figures"])
 
 
-ABSTRACT_PAIRS = [(t, i) for t in TIERS if t != "disk" for i, c in enumerate(script.combinations(t, 1)) if c["inputs"] == "real"]
+ABSTRACT_PAIRS = [(t, i) for t in TIERS if t != "disk" for i, c in enumerate(script.combinations(t, 1))
+                  if c["inputs"] == "real" and i + 1 < len(script.combinations(t, 1))
+                  and script.combinations(t, 1)[i + 1]["inputs"] == "abstract"]
 
 
-@pytest.mark.parametrize("tier,index", ABSTRACT_PAIRS,
-                         ids=[combo_id(script.combinations(t, 1)[i]).replace("-real", "") for t, i in ABSTRACT_PAIRS])
+@pytest.mark.parametrize("tier,index", [
+    pytest.param(t, i, id=combo_id(script.combinations(t, 1)[i]).replace("-real", ""), marks=same_worker(t))
+    for t, i in ABSTRACT_PAIRS])
 def test_abstract_inputs_compile_the_same_program_as_real_ones(tier, index):
   results = compile_tier(tier, 1)
   real, abstract = results[index], results[index + 1]
@@ -182,6 +203,31 @@ def test_abstract_inputs_compile_the_same_program_as_real_ones(tier, index):
     assert got == want, target
 
 
+EIGHT_BIT = [i for i, c in enumerate(script.combinations("device", 1)) if c["dtype"].endswith("8bit")]
+
+
+@pytest.mark.parametrize("index", [
+    pytest.param(i, id=combo_id(script.combinations("device", 1)[i]), marks=same_worker("device")) for i in EIGHT_BIT])
+def test_8bit_moments_are_updated_in_place_by_one_triton_launch(index):
+  # The tree's 8 big leaves keep 8-bit moments (the bias, under 4,096 values, float32 ones): one
+  # launch updates all 9 (Pallas, and "auto", which is Pallas on CUDA), and no float32 copy of the
+  # moments exists anywhere in the program: device temporaries are a small fraction of the 4 bytes
+  # per weight one would take, and the codes and scales are aliased in place.
+  result = compile_tier("device", 1)[index]
+  assert result["ok"], result.get("error")
+  report, figures = result["reports"]["h100"], result["figures"]
+  why = describe(report, figures)
+  n = figures["num_params"]
+  assert report["triton_launches"] == 1, why
+  assert report["device_temp_bytes"] <= 0.05 * 4 * n, why
+  assert report["device_alias_bytes"] >= figures["state_bytes"]["device"], why
+  # The arguments are the params, the gradients and the 8-bit state (with the master for bf16 params):
+  # float32 moments would add 8 bytes per weight.
+  assert report["device_argument_bytes"] <= figures["param_bytes"] + figures["grad_bytes"] + (
+      figures["state_bytes"]["device"]) + SLACK, why
+
+
+@same_worker("device")
 def test_h100_and_h200_compile_the_same_step():
   # The same sm_90 chip: the programs agree, only the memory size differs.
   for r in compile_tier("device", 1).values():

@@ -52,33 +52,32 @@ PLACEMENTS = {
 }
 
 
-def is_disk(x):
-  return isinstance(x, disk.DiskMoment)
-
-
-def state_leaves(tree):
-  return jax.tree.leaves(tree, is_leaf=is_disk)
-
-
 def check_where_the_state_lives(params, state, expected, master, stepped, when, param_kind="device", kinds=KIND):
   assert state.plan.tiers == expected, when
   assert state.count.sharding.memory_kind == "device", when
   p_leaves = jax.tree.leaves(params)
-  trees = {"mu": state_leaves(state.mu), "nu": state_leaves(state.nu)}
+  trees = {"mu": jax.tree.leaves(state.mu), "nu": jax.tree.leaves(state.nu)}
+  file_or_none = lambda x: x is None or isinstance(x, disk.DiskMoment)  # DiskMoments are static: no leaves
+  files = {name: jax.tree.leaves(disk.files_of(state, name), is_leaf=file_or_none) for name in trees}
   if master:
-    trees["master"] = state_leaves(state.master)
+    trees["master"] = jax.tree.leaves(state.master)
   else:
-    assert state.master is None or all(x is None for x in jax.tree.leaves(state.master, is_leaf=lambda x: x is None)), when
+    assert state.master is None, when
   for name, leaves in trees.items():
     assert len(leaves) == len(p_leaves), (when, name)
-    for param, tier, x, key in zip(p_leaves, expected, leaves, sorted(SHAPES)):
+    for i, (param, tier, x, key) in enumerate(zip(p_leaves, expected, leaves, sorted(SHAPES))):
       where = f"{when}: {name}[{key!r}] ({tier} tier)"
       assert param.sharding.memory_kind == param_kind, where
       if tier == "disk" and name != "master":
-        assert is_disk(x), f"{where}: {type(x).__name__}, not a file"
-        assert os.path.getsize(x.path) == param.size * 4, where
-        value = disk.read(x)
+        moment = files[name][i]
+        assert isinstance(moment, disk.DiskMoment), f"{where}: {type(moment).__name__}, not a file"
+        assert os.path.getsize(moment.path) == param.size * 4, where
+        # The state holds an empty entry there, in the master's memory, sharded like the param.
+        assert x.size == 0 and x.ndim == max(param.ndim, 1), (where, x.shape)
+        assert x.sharding == param.sharding.with_memory_kind("pinned_host"), (where, x.sharding)
+        value = disk.read(moment)
       else:
+        assert name == "master" or files[name][i] is None, where
         kind = "pinned_host" if tier == "disk" else kinds[tier]
         assert isinstance(x, jax.Array), f"{where}: {type(x).__name__}"
         assert x.sharding.memory_kind == kind, f"{where}: in {x.sharding.memory_kind}, expected {kind}"

@@ -57,7 +57,7 @@ def tiny_grads(steps):
 
 
 def warmup_cosine(peak, total, warmup, floor):
-  """The schedule by hand (README formula), k = updates already taken."""
+  """The schedule by hand (the formula in docs/optimizer.md), k = updates already taken."""
   def value(k):
     if k < warmup:
       return (k + 1) / warmup * peak

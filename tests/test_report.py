@@ -14,6 +14,7 @@ import pytest
 from flax import nnx
 
 import optax_hybrid
+from compile_flags import with_fast_compiles
 from optax_hybrid.recipe import standard_optimizer
 from optax_hybrid.report import MemoryReport, memory_report
 
@@ -279,7 +280,7 @@ SHARDED = textwrap.dedent("""
 
 
 def test_sharded_arrays_count_global_bytes_and_shards_per_device():
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu",
+  env = dict(os.environ, XLA_FLAGS=with_fast_compiles("--xla_force_host_platform_device_count=4"), JAX_PLATFORMS="cpu",
              PYTHONPATH=ROOT)
   out = subprocess.run([sys.executable, "-c", SHARDED], env=env, capture_output=True, text=True, timeout=120)
   assert out.returncode == 0, out.stderr

@@ -52,6 +52,40 @@ def test_python_int_counts_past_int32():
   np.testing.assert_allclose(float(sched(2**31 - 1)), (2**31) / 2**31, rtol=1e-6)
 
 
+# Step numbers beyond what the count's dtype holds (Optax's counts are int32):
+# the case of optax.warmup_cosine_decay_schedule(0, 1, 10, 3_000_000_000, 0.1),
+# which works, and of warmup lengths past int32 too.
+LONG_SCHEDULES = [(3_000_000_000, 10), (2**40, 2**35), (2**63 - 1, 2**31 - 1), (2**63 - 1, 2**62)]
+
+
+@pytest.mark.parametrize("total,warmup", LONG_SCHEDULES)
+def test_total_and_warmup_steps_beyond_int32(total, warmup):
+  sched = optax_hybrid.warmup_cosine_schedule(1.0, total_steps=total, warmup_steps=warmup, eta_min=0.1)
+  ks = [0, 5, 9, 10, 11, 2**24 + 1, 2**31 - 1]
+  expected = np.array([colossal_lr(k, 1.0, total, warmup, 0.1) for k in ks])
+  eager = np.asarray(sched(jnp.asarray(ks, jnp.int32)))  # eager jax.numpy on an int32 array of counts
+  np.testing.assert_allclose(eager, expected, rtol=1e-6, atol=1e-9)
+  np.testing.assert_allclose(float(sched(jnp.int32(11))), expected[4], rtol=1e-6)  # one eager int32 count
+  for dtype in (jnp.int32, jnp.uint32):
+    traced = np.asarray(jax.jit(jax.vmap(sched))(jnp.asarray(ks, dtype)))
+    np.testing.assert_allclose(traced, expected, rtol=1e-6, atol=1e-9, err_msg=str(dtype))
+  # Python counts of any size, to the end of the schedule and past it.
+  python_ks = ks + [total - 1, total, 2**63 - 1, 2**70]
+  np.testing.assert_allclose([float(sched(k)) for k in python_ks],
+                             [colossal_lr(k, 1.0, total, warmup, 0.1) for k in python_ks], rtol=1e-6, atol=1e-9)
+  # After warmup both schedules are the same cosine: Optax's agrees where it is defined alike.
+  optax_sched = optax.warmup_cosine_decay_schedule(0.0, 1.0, warmup, total, 0.1)
+  after = [k for k in ks if k >= warmup]
+  np.testing.assert_allclose(np.asarray(jax.jit(jax.vmap(sched))(jnp.asarray(after, jnp.int32))),
+                             [float(optax_sched(k)) for k in after], rtol=1e-6)
+
+
+def test_total_steps_beyond_int64_are_refused_when_built():
+  with pytest.raises(ValueError, match=r"`total_steps` must be at most 2\*\*63 - 1"):
+    optax_hybrid.warmup_cosine_schedule(1.0, total_steps=2**63)
+  optax_hybrid.warmup_cosine_schedule(1.0, total_steps=2**63 - 1)  # the largest accepted
+
+
 def test_first_update_of_hybrid_adamw_uses_peak_over_warmup():
   sched = optax_hybrid.warmup_cosine_schedule(0.5, total_steps=20, warmup_steps=5)
   tx = optax_hybrid.hybrid_adamw(sched, bias_correction=False, eps=0.0)

@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from optax_hybrid.kernels import contract, reference
+from optax_hybrid.kernels import contract, quantized, reference
 
 TARGET = "optax_hybrid_adamw_cpu"
 _SYMBOL = "OptaxHybridAdamWCpu"
@@ -136,6 +136,8 @@ _F32 = np.dtype(jnp.float32)
 
 def supports(leaf: contract.LeafOperands, fact: contract.LeafFacts, rule: contract.Rule) -> bool:
   """Whether the compiled loops cover this leaf's dtypes (see ``run_leaf`` in the C++)."""
+  if isinstance(leaf.mu, quantized.QuantizedMoment) or isinstance(leaf.nu, quantized.QuantizedMoment):
+    return False
   t = np.dtype(leaf.grad.dtype)
   s = np.dtype(leaf.mu.dtype)
   if t not in contract.STORAGE_DTYPES or s != np.dtype(leaf.nu.dtype) or s not in (_F32, t):
