@@ -1,10 +1,11 @@
 """The package as it ships: ``python -m build`` makes an sdist and, from it, a wheel whose native kernel
 runs on any CPU of its architecture, picking its instruction set when it loads.
 
-The wheel is built once for the module (the C++ compile is most of the time),
-from a copy of this checkout so that nothing is written into it.
+The wheel is built once per run (the C++ compile is most of the time), from a
+copy of this checkout so that nothing is written into it.
 """
 
+import fcntl
 import json
 import os
 import platform
@@ -33,17 +34,31 @@ def run(*command, **kwargs):
   return result.stdout
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def built(tmp_path_factory):
-  """``(sdist, wheel)`` from ``python -m build`` (sdist first, the wheel built from the unpacked sdist)."""
-  tmp = tmp_path_factory.mktemp("wheel")
-  source = tmp / "source"
-  shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(
-      ".git", ".venv", "build", "dist", "*.egg-info", "__pycache__", "*.so", "*.pyd", "runs", ".pytest_cache",
-      ".hypothesis"))
-  # --no-isolation: the build requirements (setuptools, jax) are the test
-  # environment's, so nothing is downloaded.
-  run(sys.executable, "-m", "build", "--no-isolation", "--outdir", tmp / "dist", source)
+  """``(sdist, wheel)`` from ``python -m build`` (sdist first, the wheel built from the unpacked sdist).
+
+  Under pytest-xdist the workers share one build: whichever asks first builds
+  in their common temporary directory while the others wait on a lock.
+  """
+  tmp = tmp_path_factory.getbasetemp()
+  if os.environ.get("PYTEST_XDIST_WORKER"):
+    tmp = tmp.parent  # this run's directory, shared by its workers
+  tmp = tmp / "wheel"
+  tmp.mkdir(exist_ok=True)
+  with open(tmp / "lock", "w") as lock:
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    if not (tmp / "built").exists():
+      source = tmp / "source"
+      shutil.rmtree(source, ignore_errors=True)
+      shutil.rmtree(tmp / "dist", ignore_errors=True)
+      shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(
+          ".git", ".venv", "build", "dist", "*.egg-info", "__pycache__", "*.so", "*.pyd", "runs", ".pytest_cache",
+          ".hypothesis", "_build"))
+      # --no-isolation: the build requirements (setuptools, jax) are the test
+      # environment's, so nothing is downloaded.
+      run(sys.executable, "-m", "build", "--no-isolation", "--outdir", tmp / "dist", source)
+      (tmp / "built").touch()
   (sdist,), (wheel,) = sorted((tmp / "dist").glob("*.tar.gz")), sorted((tmp / "dist").glob("*.whl"))
   return sdist, wheel
 
