@@ -4,7 +4,9 @@
 // both moments and (when needed) the parameter once, and writes the moments in
 // place (aliased by the caller) plus either the update (Optax contract) or the
 // new parameter in place (fused apply). Float32 math whatever the storage
-// dtype; bfloat16 and float16 leaves with float32 or same-dtype moments. Work is
+// dtype; bfloat16 and float16 leaves with float32 or same-dtype moments, or
+// with 8-bit block-wise moments (codes and per-block scales, the format of
+// quantized.py, whose code maps and thresholds come in as an operand). Work is
 // split into chunks spread over XLA's intra-op thread pool.
 //
 // Each chunk runs through one function, compiled once per instruction set
@@ -24,12 +26,14 @@
 #include <cstring>
 #include <memory>
 #include <mutex>
+#include <type_traits>
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <cpuid.h>
+#include <immintrin.h>
 #endif
 
 namespace ffi = xla::ffi;
@@ -135,7 +139,207 @@ OPTAX_HYBRID_BODY void skip_range(const T* __restrict p, U* __restrict out, int6
   }
 }
 
-enum class Kind { kF32, kBF16, kF16, kOther };
+// ---------------------------------------------------------------------------
+// 8-bit block-wise moments (quantized.py): a moment value is
+// code_map[code] * scale, one float32 scale per block of up to `block` values
+// within one row (the last block of a row may be shorter). The first moment
+// uses the signed map, the second the unsigned one; both maps and their
+// thresholds (midpoints, padded with +inf) arrive as an operand.
+
+// Values of one block held on the stack between the step and the quantization.
+constexpr int64_t kMaxBlock = 2048;
+constexpr int kCodes = 256;
+
+OPTAX_HYBRID_BODY uint32_t bits_of(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, sizeof u);
+  return u;
+}
+OPTAX_HYBRID_BODY float float_of(uint32_t u) {
+  float x;
+  std::memcpy(&x, &u, sizeof x);
+  return x;
+}
+
+// The code of a normalized value q is the number of thresholds strictly below
+// it: the nearest code, a value on a midpoint taking the lower one, NaN taking
+// code 0 (every comparison with NaN is false), as quantized.nearest_codes
+// counts them.
+//
+// A binary search costs 8 dependent table loads per value. Instead, q's bit
+// pattern shifted right by `shift` (arithmetically: its sign, exponent and a
+// few leading mantissa bits) indexes a table over every bit pattern. `shift`
+// is the largest for which no bucket of 2**shift consecutive patterns holds
+// two thresholds, so an entry gives the number of thresholds below its bucket
+// and the position in the bucket of the one threshold inside it, if any; one
+// comparison of q's position with it finishes the count. Positions count
+// from the bucket's value nearest zero, so for negative q a larger position
+// is a smaller value: positions are mirrored there ("directed") to keep
+// larger = larger. The table is derived from the thresholds operand, once per
+// distinct table (search_for). NaN has no place in it: blocks whose scale is
+// not finite (the only way a NaN reaches the search) take the binary search.
+struct CodeSearch {
+  float thresholds[kCodes];      // a copy of the operand's table, ascending
+  uint32_t shift = 0;            // 0: no shift keeps buckets apart, binary search only
+  std::vector<int32_t> entries;  // 2**(32 - shift): (below | split << 8), split 0xffffff if none
+  const int32_t* at_zero = nullptr;  // the entry of bucket index 0 (indices are signed)
+};
+
+constexpr uint32_t kNoSplit = 0xffffffu;
+
+OPTAX_HYBRID_BODY int32_t code_by_binary_search(const float* __restrict t, float q) {
+  int32_t code = t[kCodes / 2 - 1] < q ? kCodes / 2 : 0;
+  for (int32_t step = kCodes / 4; step > 0; step /= 2) code += t[code + step - 1] < q ? step : 0;
+  return code;
+}
+
+// q's position in its bucket, larger for larger q.
+OPTAX_HYBRID_BODY uint32_t directed_position(uint32_t bits, uint32_t shift) {
+  return (bits ^ static_cast<uint32_t>(static_cast<int32_t>(bits) >> 31)) & ((1u << shift) - 1);
+}
+
+// The code of a q that is not NaN, from the table.
+OPTAX_HYBRID_BODY int32_t code_by_table(const int32_t* __restrict at_zero, uint32_t shift, float q) {
+  const uint32_t u = bits_of(q);
+  const uint32_t entry = static_cast<uint32_t>(at_zero[static_cast<int32_t>(u) >> shift]);
+  return static_cast<int32_t>(entry & 0xffu) + (directed_position(u, shift) > (entry >> 8) ? 1 : 0);
+}
+
+// The number of thresholds strictly below q (q not NaN).
+int32_t count_below(const float* t, float q) {
+  return static_cast<int32_t>(std::lower_bound(t, t + kCodes, q) - t);
+}
+
+// Fills cs's table for `shift`; false if a bucket would hold two thresholds.
+bool try_table(CodeSearch& cs, uint32_t shift) {
+  const int64_t half = int64_t{1} << (31 - shift);
+  const uint32_t width = 1u << shift;
+  cs.shift = shift;
+  cs.entries.assign(2 * half, 0);
+  cs.at_zero = cs.entries.data() + half;
+  // Largest magnitudes first: the thresholds are densest near 1, so a shift
+  // that is too coarse fails early.
+  for (int64_t k = half - 1; k >= 0; --k) {
+    const uint32_t low = static_cast<uint32_t>(k) << shift, high = low | (width - 1);
+    if (low > 0x7f800000u) continue;  // NaN patterns only
+    const float a_min = float_of(low), a_max = float_of(std::min(high, 0x7f800000u));
+    for (const bool negative : {false, true}) {
+      const float q_min = negative ? -a_max : a_min, q_max = negative ? -a_min : a_max;
+      const int32_t below = count_below(cs.thresholds, q_min), inside = count_below(cs.thresholds, q_max) - below;
+      if (inside > 1) return false;
+      uint32_t split = kNoSplit;
+      if (inside == 1) {
+        const uint32_t position = bits_of(cs.thresholds[below]) & (width - 1);
+        split = negative ? width - 1 - position : position;
+      }
+      const int64_t index = negative ? -half + k : k;  // the arithmetic shift of the pattern
+      cs.entries[index + half] = static_cast<int32_t>(static_cast<uint32_t>(below) | split << 8);
+    }
+  }
+  return true;
+}
+
+void build_search(CodeSearch& cs) {
+  // Up to 2**18 entries (1 MiB); past that the binary search is cheaper.
+  for (uint32_t shift = 23; shift >= 14; --shift) {
+    if (try_table(cs, shift)) return;
+  }
+  cs.shift = 0;
+  cs.entries.clear();
+  cs.at_zero = nullptr;
+}
+
+// The search for a thresholds table (256 ascending float32), built on first
+// use and kept for the life of the process (in practice two: the signed and
+// the unsigned map's thresholds).
+const CodeSearch& search_for(const float* thresholds) {
+  static std::mutex mu;
+  static auto* known = new std::vector<std::unique_ptr<CodeSearch>>();  // never destroyed: used by pool threads
+  std::lock_guard<std::mutex> lock(mu);
+  for (const auto& cs : *known) {
+    if (std::memcmp(cs->thresholds, thresholds, sizeof cs->thresholds) == 0) return *cs;
+  }
+  auto cs = std::make_unique<CodeSearch>();
+  std::memcpy(cs->thresholds, thresholds, sizeof cs->thresholds);
+  build_search(*cs);
+  known->push_back(std::move(cs));
+  return *known->back();
+}
+
+// The largest |x| of a block as the largest bit pattern of |x|: exact, and a
+// NaN (whose pattern is above every number's) wins, as in jnp.max.
+OPTAX_HYBRID_BODY uint32_t largest_magnitude_bits(const float* __restrict x, int64_t n) {
+  uint32_t largest = 0;
+  for (int64_t i = 0; i < n; ++i) largest = std::max(largest, bits_of(x[i]) & 0x7fffffffu);
+  return largest;
+}
+
+// Quantizes one block given its largest magnitude: returns the scale and
+// writes the codes of x / scale (x / 1 for an all-zero block).
+OPTAX_HYBRID_BODY float quantize_block(const float* __restrict x, int64_t n, uint8_t* __restrict codes, const CodeSearch& cs,
+                            uint32_t largest) {
+  const float scale = float_of(largest);
+  const float divisor = largest == 0 ? 1.0f : scale;
+  if (cs.shift == 0 || largest >= 0x7f800000u) {  // no table, or an infinite or NaN scale
+    for (int64_t i = 0; i < n; ++i) codes[i] = static_cast<uint8_t>(code_by_binary_search(cs.thresholds, x[i] / divisor));
+  } else {
+    const int32_t* __restrict at_zero = cs.at_zero;
+    const uint32_t shift = cs.shift;
+    for (int64_t i = 0; i < n; ++i) codes[i] = static_cast<uint8_t>(code_by_table(at_zero, shift, x[i] / divisor));
+  }
+  return scale;
+}
+
+struct QuantTables {
+  const float* signed_map;    // 256 values, the first moment's
+  const float* unsigned_map;  // 256 values, the second moment's
+  const CodeSearch* signed_search;
+  const CodeSearch* unsigned_search;
+};
+
+// One block of one leaf (n <= kMaxBlock values of one row), in portable C++
+// for the compiler to vectorize: the step from the dequantized moments, the
+// update (or new param) from the new moments before they are rounded, then
+// both moments quantized in place.
+template <typename T, typename U, bool kDecoupled, bool kL2, bool kWriteParams>
+OPTAX_HYBRID_BODY void step_block(const T* __restrict g, const T* __restrict p, U* __restrict out, uint8_t* __restrict mc,
+                       uint8_t* __restrict vc, float* __restrict m_scale, float* __restrict v_scale, int64_t n,
+                       const Scalars& s, const QuantTables& q) {
+  alignas(64) float m_new[kMaxBlock];
+  alignas(64) float v_new[kMaxBlock];
+  const float* __restrict signed_map = q.signed_map;
+  const float* __restrict unsigned_map = q.unsigned_map;
+  const float ms = *m_scale, vs = *v_scale;
+  const float b1 = s.b1, one_minus_b1 = 1.0f - s.b1;
+  const float b2 = s.b2, one_minus_b2 = 1.0f - s.b2;
+  const float bc2_sqrt = s.bc2_sqrt;
+  const float eps = s.eps;
+  const float step = -(s.lr / s.bc1);
+  const float wd = s.wd;
+  const float lr_wd = s.lr * s.wd;
+  for (int64_t i = 0; i < n; ++i) {
+    float gi = to_f32(g[i]);
+    float pi = 0.0f;
+    if constexpr (kDecoupled || kL2 || kWriteParams) pi = to_f32(p[i]);
+    if constexpr (kL2) gi = gi + wd * pi;
+    const float mi = b1 * (signed_map[mc[i]] * ms) + one_minus_b1 * gi;
+    const float vi = b2 * (unsigned_map[vc[i]] * vs) + one_minus_b2 * (gi * gi);
+    const float denom = std::sqrt(vi) / bc2_sqrt + eps;
+    float ui = step * (mi / denom);
+    if constexpr (kDecoupled) ui = ui - lr_wd * pi;
+    m_new[i] = mi;
+    v_new[i] = vi;
+    if constexpr (kWriteParams) {
+      out[i] = from_f32<U>(pi + ui);
+    } else {
+      out[i] = from_f32<U>(ui);
+    }
+  }
+  *m_scale = quantize_block(m_new, n, mc, *q.signed_search, largest_magnitude_bits(m_new, n));
+  *v_scale = quantize_block(v_new, n, vc, *q.unsigned_search, largest_magnitude_bits(v_new, n));
+}
+
+enum class Kind { kF32, kBF16, kF16, kU8, kOther };
 
 Kind kind_of(ffi::DataType t) {
   switch (t) {
@@ -145,6 +349,8 @@ Kind kind_of(ffi::DataType t) {
       return Kind::kBF16;
     case ffi::DataType::F16:
       return Kind::kF16;
+    case ffi::DataType::U8:
+      return Kind::kU8;
     default:
       return Kind::kOther;
   }
@@ -152,13 +358,23 @@ Kind kind_of(ffi::DataType t) {
 
 struct Leaf {
   void* g;
-  void* m;
+  void* m;  // with 8-bit moments (s == kU8): the codes
   void* v;
   void* p;  // nullptr when the leaf needs no param
   void* out;
   int64_t n;
   Kind t, s, u;
   bool decay;
+  // 8-bit moments only: the per-block scales, the row length (the last
+  // axis), the blocks per row and the block size, and the code tables.
+  float* m_scales = nullptr;
+  float* v_scales = nullptr;
+  int64_t row = 0, blocks_per_row = 0, block = 0;
+  const QuantTables* tables = nullptr;
+
+  // Work is split over values, or over whole blocks for 8-bit moments.
+  int64_t work_items() const { return s == Kind::kU8 ? n / row * blocks_per_row : n; }
+  int64_t values_per_item() const { return s == Kind::kU8 ? std::min(block, row) : 1; }
 };
 
 template <typename T, typename S, typename U, bool kWriteParams>
@@ -179,13 +395,79 @@ OPTAX_HYBRID_BODY void run_leaf_typed(const Leaf& leaf, int64_t begin, int64_t e
   }
 }
 
+// Where block j of a leaf with 8-bit moments starts (block j is block
+// j % blocks_per_row of row j / blocks_per_row), and how many values it has.
+struct BlockAt {
+  int64_t first_value, n;
+};
+OPTAX_HYBRID_BODY BlockAt block_at(const Leaf& leaf, int64_t j) {
+  const int64_t start = j % leaf.blocks_per_row * leaf.block;
+  return BlockAt{j / leaf.blocks_per_row * leaf.row + start, std::min(leaf.block, leaf.row - start)};
+}
+
+// Blocks [begin, end) of a leaf with 8-bit moments, one after the other.
+template <typename T, typename U, bool kDecoupled, bool kL2, bool kWriteParams>
+OPTAX_HYBRID_BODY void step_blocks_portable(const Leaf& leaf, int64_t begin, int64_t end, const Scalars& s) {
+  auto* g = static_cast<const T*>(leaf.g);
+  auto* mc = static_cast<uint8_t*>(leaf.m);
+  auto* vc = static_cast<uint8_t*>(leaf.v);
+  auto* p = static_cast<const T*>(leaf.p);
+  auto* out = static_cast<U*>(leaf.out);
+  for (int64_t j = begin; j < end; ++j) {
+    const BlockAt at = block_at(leaf, j);
+    const int64_t i = at.first_value;
+    step_block<T, U, kDecoupled, kL2, kWriteParams>(g + i, p == nullptr ? nullptr : p + i, out + i, mc + i, vc + i,
+                                                    leaf.m_scales + j, leaf.v_scales + j, at.n, s, *leaf.tables);
+  }
+}
+
+// The 8-bit path's rule (skip, decoupled decay, L2 decay, none) over blocks
+// [begin, end), BLOCKS being the loops: step_blocks_portable or _avx512.
+#define OPTAX_HYBRID_QUANTIZED_RULE(BLOCKS)                                                     \
+  if (!s.step_ok) { /* codes and scales stay; consecutive blocks are consecutive values */    \
+    skip_range<T, U, kWriteParams>(static_cast<const T*>(leaf.p), static_cast<U*>(leaf.out),    \
+                                   block_at(leaf, begin).first_value, block_at(leaf, end).first_value); \
+  } else if (leaf.decay && adamw) {                                                            \
+    BLOCKS<T, U, true, false, kWriteParams>(leaf, begin, end, s);                              \
+  } else if (leaf.decay) {                                                                     \
+    BLOCKS<T, U, false, true, kWriteParams>(leaf, begin, end, s);                              \
+  } else {                                                                                     \
+    BLOCKS<T, U, false, false, kWriteParams>(leaf, begin, end, s);                             \
+  }
+
+// The dtypes the 8-bit path takes (T: grad and param; U: the first result):
+// U == f32, or U == T when writing params. RUN<T, U, kWriteParams> runs them.
+#define OPTAX_HYBRID_QUANTIZED_DTYPES(RUN)                                                                 \
+  if constexpr (kWriteParams) {                                                                           \
+    if (leaf.t == Kind::kF32 && leaf.u == Kind::kF32) return RUN<float, float, true>(leaf, begin, end, s, adamw), true; \
+    if (leaf.t == Kind::kBF16 && leaf.u == Kind::kBF16) return RUN<BF16, BF16, true>(leaf, begin, end, s, adamw), true; \
+    if (leaf.t == Kind::kF16 && leaf.u == Kind::kF16) return RUN<F16, F16, true>(leaf, begin, end, s, adamw), true; \
+  } else {                                                                                                \
+    if (leaf.t == Kind::kF32 && leaf.u == Kind::kF32) return RUN<float, float, false>(leaf, begin, end, s, adamw), true; \
+    if (leaf.t == Kind::kBF16 && leaf.u == Kind::kF32) return RUN<BF16, float, false>(leaf, begin, end, s, adamw), true; \
+    if (leaf.t == Kind::kF16 && leaf.u == Kind::kF32) return RUN<F16, float, false>(leaf, begin, end, s, adamw), true; \
+  }
+
+template <typename T, typename U, bool kWriteParams>
+OPTAX_HYBRID_BODY void run_quantized_leaf_typed(const Leaf& leaf, int64_t begin, int64_t end, const Scalars& s,
+                                                bool adamw) {
+  OPTAX_HYBRID_QUANTIZED_RULE(step_blocks_portable)
+}
+
 // The per-chunk body: one range of one leaf, any supported dtype combination
 // and rule. Every loop of the kernel lives below this function, so that each
-// instruction-set copy (run_chunk_*) gets all of them.
+// instruction-set copy (run_chunk_*) gets all of them (the AVX-512 copy runs
+// its own 8-bit loops: run_leaf_avx512).
 // Supported combinations: T in {f32, bf16, f16}; S == f32 or S == T; U == f32 if
-// S == f32 else T (the dtype optax returns); U == T when writing params.
+// S == f32 else T (the dtype optax returns); U == T when writing params. With
+// 8-bit moments (S == u8 codes): U == f32, or U == T when writing params.
+// `begin` and `end` count values, or blocks for 8-bit moments (Leaf::work_items).
 template <bool kWriteParams>
 OPTAX_HYBRID_BODY bool run_leaf(const Leaf& leaf, int64_t begin, int64_t end, const Scalars& s, bool adamw) {
+  if (leaf.s == Kind::kU8) {
+    OPTAX_HYBRID_QUANTIZED_DTYPES(run_quantized_leaf_typed)
+    return false;
+  }
 #define OPTAX_HYBRID_CASE(KT, KS, KU, T, S, U)                                  \
   if (leaf.t == KT && leaf.s == KS && leaf.u == KU) {                          \
     run_leaf_typed<T, S, U, kWriteParams>(leaf, begin, end, s, adamw);         \
@@ -208,6 +490,192 @@ OPTAX_HYBRID_BODY bool run_leaf(const Leaf& leaf, int64_t begin, int64_t end, co
   return false;
 }
 
+
+#if defined(__x86_64__) || defined(__i386__)
+// The AVX-512 loops exist only in the AVX-512 copy of the per-chunk work
+// (run_leaf_avx512, below). Each of their functions carries the instruction
+// sets it uses (the library is built without -march) and is inlined into that
+// copy: GCC inlines a function only into one whose instruction sets include
+// its own, so none of them may sit under a function of the portable body,
+// which every copy shares.
+#define OPTAX_HYBRID_AVX512_ATTRIBUTES __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq"), always_inline))
+#define OPTAX_HYBRID_AVX512 inline OPTAX_HYBRID_AVX512_ATTRIBUTES
+
+// The same with AVX-512 (F, BW, VL, DQ): the table lookups are hardware
+// gathers, which compilers tuned for generic x86-64 do not emit for the
+// portable loops. The codes of block j-1 are computed inside block j's step
+// loop, so that their gathers and integer work overlap block j's divisions.
+
+// 16 values as float32, the lanes outside `lanes` read as zero / left untouched.
+OPTAX_HYBRID_AVX512 __m512 load16(const float* p, __mmask16 lanes) { return _mm512_maskz_loadu_ps(lanes, p); }
+OPTAX_HYBRID_AVX512 __m512 load16(const BF16* p, __mmask16 lanes) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(lanes, p)), 16));
+}
+OPTAX_HYBRID_AVX512 __m512 load16(const F16* p, __mmask16 lanes) { return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(lanes, p)); }
+OPTAX_HYBRID_AVX512 void store16(float* p, __mmask16 lanes, __m512 x) { _mm512_mask_storeu_ps(p, lanes, x); }
+OPTAX_HYBRID_AVX512 void store16(BF16* p, __mmask16 lanes, __m512 x) {  // as from_f32<BF16>: nearest even, NaN kept quiet
+  const __m512i u = _mm512_castps_si512(x);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), odd)), 16);
+  const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
+                                                _mm512_set1_epi32(0x7f800000));
+  const __m512i quiet = _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+  _mm256_mask_storeu_epi16(p, lanes, _mm512_cvtepi32_epi16(_mm512_mask_mov_epi32(rounded, nan, quiet)));
+}
+OPTAX_HYBRID_AVX512 void store16(F16* p, __mmask16 lanes, __m512 x) {
+  _mm256_mask_storeu_epi16(p, lanes, _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+OPTAX_HYBRID_AVX512 __mmask16 lanes_below(int64_t left) {
+  return left >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << left) - 1);
+}
+
+// CodeSearch's table as vectors, for code_by_table on 16 values at a time.
+struct CodeTable16 {
+  const int32_t* at_zero;
+  __m128i shift;
+  __m512i position_bits;  // (2**shift - 1) << 8
+
+  OPTAX_HYBRID_AVX512 explicit CodeTable16(const CodeSearch& cs)
+      : at_zero(cs.at_zero),
+        shift(_mm_cvtsi32_si128(static_cast<int>(cs.shift))),
+        position_bits(_mm512_set1_epi32(static_cast<int>(((1u << cs.shift) - 1) << 8))) {}
+
+  // The codes (in the low byte of each lane) of 16 values that are not NaN.
+  OPTAX_HYBRID_AVX512 __m512i codes(__m512 q) const {
+    const __m512i u = _mm512_castps_si512(q);
+    const __m512i entry = _mm512_i32gather_epi32(_mm512_sra_epi32(u, shift), at_zero, 4);
+    // (directed position << 8) > (split << 8 | below)  <=>  directed position > split.
+    const __m512i position = _mm512_ternarylogic_epi32(_mm512_slli_epi32(u, 8), _mm512_srai_epi32(u, 31),
+                                                       position_bits, 0x28);  // (a ^ b) & c
+    const __mmask16 above = _mm512_cmpgt_epu32_mask(position, entry);
+    return _mm512_mask_sub_epi32(entry, above, entry, _mm512_set1_epi32(-1));  // below + 1 (below < 255 here)
+  }
+};
+
+template <typename T, typename U, bool kDecoupled, bool kL2, bool kWriteParams>
+OPTAX_HYBRID_AVX512 void step_blocks_avx512(const Leaf& leaf, int64_t begin, int64_t end, const Scalars& s) {
+  alignas(64) float buffers[2][2][kMaxBlock];  // new m and v of the block being stepped and of the one before
+  const auto* g = static_cast<const T*>(leaf.g);
+  auto* mc = static_cast<uint8_t*>(leaf.m);
+  auto* vc = static_cast<uint8_t*>(leaf.v);
+  const auto* p = static_cast<const T*>(leaf.p);
+  auto* out = static_cast<U*>(leaf.out);
+  const float* signed_map = leaf.tables->signed_map;
+  const float* unsigned_map = leaf.tables->unsigned_map;
+  const CodeSearch& m_search = *leaf.tables->signed_search;
+  const CodeSearch& v_search = *leaf.tables->unsigned_search;
+  const bool tables = m_search.shift != 0 && v_search.shift != 0;
+  const CodeTable16 m_table(m_search), v_table(v_search);
+  const __m512 b1 = _mm512_set1_ps(s.b1), one_minus_b1 = _mm512_set1_ps(1.0f - s.b1);
+  const __m512 b2 = _mm512_set1_ps(s.b2), one_minus_b2 = _mm512_set1_ps(1.0f - s.b2);
+  const __m512 bc2_sqrt = _mm512_set1_ps(s.bc2_sqrt), eps = _mm512_set1_ps(s.eps);
+  const __m512 step = _mm512_set1_ps(-(s.lr / s.bc1)), wd = _mm512_set1_ps(s.wd);
+  const __m512 lr_wd = _mm512_set1_ps(s.lr * s.wd);
+  const __m512i magnitude = _mm512_set1_epi32(0x7fffffff);
+  // The block before, whose codes are still to be written (pending_n == 0: none).
+  int64_t pending_n = 0;
+  const float* pending_m = nullptr;
+  const float* pending_v = nullptr;
+  uint8_t* pending_mc = nullptr;
+  uint8_t* pending_vc = nullptr;
+  __m512 pending_m_divisor = _mm512_set1_ps(1.0f), pending_v_divisor = _mm512_set1_ps(1.0f);
+  // Block j is block b of row `row`, advanced as j is.
+  int64_t row = begin / leaf.blocks_per_row, b = begin % leaf.blocks_per_row;
+  for (int64_t j = begin; j <= end; ++j) {
+    int64_t n = 0, first = 0;
+    if (j < end) {
+      first = row * leaf.row + b * leaf.block;
+      n = std::min(leaf.block, leaf.row - b * leaf.block);
+      if (++b == leaf.blocks_per_row) {
+        b = 0;
+        ++row;
+      }
+    }
+    float* m_new = buffers[j & 1][0];
+    float* v_new = buffers[j & 1][1];
+    const __m512 m_scale = _mm512_set1_ps(n > 0 ? leaf.m_scales[j] : 0.0f);
+    const __m512 v_scale = _mm512_set1_ps(n > 0 ? leaf.v_scales[j] : 0.0f);
+    __m512i m_largest = _mm512_setzero_si512(), v_largest = _mm512_setzero_si512();
+    // Steps 16 values of block j from value i.
+    const auto step16 = [&](int64_t i, __mmask16 lanes) OPTAX_HYBRID_AVX512_ATTRIBUTES {
+      __m512 gi = load16(g + first + i, lanes);
+      __m512 pi = _mm512_setzero_ps();
+      if constexpr (kDecoupled || kL2 || kWriteParams) pi = load16(p + first + i, lanes);
+      if constexpr (kL2) gi = _mm512_add_ps(gi, _mm512_mul_ps(wd, pi));
+      // Lanes outside `lanes` read code 0, a valid index, and stay out of the largest magnitudes.
+      const __m512i m_code = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(lanes, mc + first + i));
+      const __m512i v_code = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(lanes, vc + first + i));
+      const __m512 m_old = _mm512_mul_ps(_mm512_i32gather_ps(m_code, signed_map, 4), m_scale);
+      const __m512 v_old = _mm512_mul_ps(_mm512_i32gather_ps(v_code, unsigned_map, 4), v_scale);
+      const __m512 mi = _mm512_add_ps(_mm512_mul_ps(b1, m_old), _mm512_mul_ps(one_minus_b1, gi));
+      const __m512 vi = _mm512_add_ps(_mm512_mul_ps(b2, v_old), _mm512_mul_ps(one_minus_b2, _mm512_mul_ps(gi, gi)));
+      const __m512 denom = _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(vi), bc2_sqrt), eps);
+      __m512 ui = _mm512_mul_ps(step, _mm512_div_ps(mi, denom));
+      if constexpr (kDecoupled) ui = _mm512_sub_ps(ui, _mm512_mul_ps(lr_wd, pi));
+      _mm512_store_ps(m_new + i, mi);
+      _mm512_store_ps(v_new + i, vi);
+      m_largest = _mm512_mask_max_epu32(m_largest, lanes, m_largest,
+                                        _mm512_and_si512(_mm512_castps_si512(mi), magnitude));
+      v_largest = _mm512_mask_max_epu32(v_largest, lanes, v_largest,
+                                        _mm512_and_si512(_mm512_castps_si512(vi), magnitude));
+      store16(out + first + i, lanes, kWriteParams ? _mm512_add_ps(pi, ui) : ui);
+    };
+    // Writes the codes of 16 values of the pending block from value i.
+    const auto quantize16 = [&](int64_t i, __mmask16 lanes) OPTAX_HYBRID_AVX512_ATTRIBUTES {
+      const __m512 mq = _mm512_div_ps(_mm512_load_ps(pending_m + i), pending_m_divisor);
+      const __m512 vq = _mm512_div_ps(_mm512_load_ps(pending_v + i), pending_v_divisor);
+      _mm512_mask_cvtepi32_storeu_epi8(pending_mc + i, lanes, m_table.codes(mq));
+      _mm512_mask_cvtepi32_storeu_epi8(pending_vc + i, lanes, v_table.codes(vq));
+    };
+    const int64_t both_full = std::min(n, pending_n) & ~int64_t{15};
+    int64_t i = 0;
+    for (; i < both_full; i += 16) {  // the common case: no lane masks to compute
+      step16(i, static_cast<__mmask16>(0xffff));
+      quantize16(i, static_cast<__mmask16>(0xffff));
+    }
+    for (; i < std::max(n, pending_n); i += 16) {
+      if (i < n) step16(i, lanes_below(n - i));
+      if (i < pending_n) quantize16(i, lanes_below(pending_n - i));
+    }
+    pending_n = 0;
+    if (n > 0) {
+      const uint32_t m_top = _mm512_reduce_max_epu32(m_largest), v_top = _mm512_reduce_max_epu32(v_largest);
+      leaf.m_scales[j] = float_of(m_top);
+      leaf.v_scales[j] = float_of(v_top);
+      if (tables && m_top < 0x7f800000u && v_top < 0x7f800000u) {
+        pending_n = n;
+        pending_m = m_new;
+        pending_v = v_new;
+        pending_mc = mc + first;
+        pending_vc = vc + first;
+        pending_m_divisor = _mm512_set1_ps(m_top == 0 ? 1.0f : float_of(m_top));
+        pending_v_divisor = _mm512_set1_ps(v_top == 0 ? 1.0f : float_of(v_top));
+      } else {  // an infinite or NaN scale: the binary search, which gives NaN code 0
+        quantize_block(m_new, n, mc + first, m_search, m_top);
+        quantize_block(v_new, n, vc + first, v_search, v_top);
+      }
+    }
+  }
+}
+
+template <typename T, typename U, bool kWriteParams>
+OPTAX_HYBRID_AVX512 void run_quantized_leaf_typed_avx512(const Leaf& leaf, int64_t begin, int64_t end,
+                                                         const Scalars& s, bool adamw) {
+  OPTAX_HYBRID_QUANTIZED_RULE(step_blocks_avx512)
+}
+
+// The AVX-512 copy's per-chunk body: run_leaf, but its own loops for 8-bit moments.
+template <bool kWriteParams>
+OPTAX_HYBRID_AVX512 bool run_leaf_avx512(const Leaf& leaf, int64_t begin, int64_t end, const Scalars& s,
+                                         bool adamw) {
+  if (leaf.s == Kind::kU8) {
+    OPTAX_HYBRID_QUANTIZED_DTYPES(run_quantized_leaf_typed_avx512)
+    return false;
+  }
+  return run_leaf<kWriteParams>(leaf, begin, end, s, adamw);
+}
+#endif
+
 // ---------------------------------------------------------------------------
 // Instruction sets. The chunk body is compiled once per instruction set, each
 // copy a function with its own `target` attribute, and one copy is chosen when
@@ -219,14 +687,14 @@ OPTAX_HYBRID_BODY bool run_leaf(const Leaf& leaf, int64_t begin, int64_t end, co
 using ChunkFn = bool (*)(const Leaf& leaf, int64_t begin, int64_t end, const Scalars& s, bool adamw,
                          bool write_params);
 
-#define OPTAX_HYBRID_CHUNK_FOR_ISA(NAME, TARGET_ATTRIBUTE)                                          \
+#define OPTAX_HYBRID_CHUNK_FOR_ISA(NAME, RUN_LEAF, TARGET_ATTRIBUTE)                                 \
   TARGET_ATTRIBUTE bool NAME(const Leaf& leaf, int64_t begin, int64_t end, const Scalars& s, bool adamw, \
                              bool write_params) {                                                  \
-    return write_params ? run_leaf<true>(leaf, begin, end, s, adamw)                               \
-                        : run_leaf<false>(leaf, begin, end, s, adamw);                             \
+    return write_params ? RUN_LEAF<true>(leaf, begin, end, s, adamw)                               \
+                        : RUN_LEAF<false>(leaf, begin, end, s, adamw);                             \
   }
 
-OPTAX_HYBRID_CHUNK_FOR_ISA(run_chunk_baseline, )
+OPTAX_HYBRID_CHUNK_FOR_ISA(run_chunk_baseline, run_leaf, )
 
 struct IsaVariant {
   const char* name;
@@ -237,8 +705,8 @@ struct IsaVariant {
 #if defined(__x86_64__) || defined(__i386__)
 // F16C (float16 conversions) and FMA come with every AVX2 and AVX-512 CPU;
 // they are listed so that the compiler may use them.
-OPTAX_HYBRID_CHUNK_FOR_ISA(run_chunk_avx2, __attribute__((target("avx2,fma,f16c"))))
-OPTAX_HYBRID_CHUNK_FOR_ISA(run_chunk_avx512,
+OPTAX_HYBRID_CHUNK_FOR_ISA(run_chunk_avx2, run_leaf, __attribute__((target("avx2,fma,f16c"))))
+OPTAX_HYBRID_CHUNK_FOR_ISA(run_chunk_avx512, run_leaf_avx512,
                            __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c"))))
 
 // CPUID leaf 1 directly: __builtin_cpu_supports("f16c") is not in every compiler (Clang 14 lacks it).
@@ -348,12 +816,15 @@ void work(Shared& sh, const std::vector<Leaf>& leaves, const Scalars& s, bool ad
   }
 }
 
-ffi::Error AdamWImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> scalars, ffi::RemainingArgs args,
-                     ffi::RemainingRets rets, int32_t adamw_mode, int32_t write_params,
-                     ffi::Span<const int32_t> decay, ffi::Span<const int32_t> has_param) {
+ffi::Error AdamWImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> scalars, ffi::Buffer<ffi::F32> code_tables,
+                     ffi::RemainingArgs args, ffi::RemainingRets rets, int32_t adamw_mode, int32_t write_params,
+                     int32_t block_size, ffi::Span<const int32_t> decay, ffi::Span<const int32_t> has_param,
+                     ffi::Span<const int32_t> quantized) {
   if (kIsa.variant == nullptr) return ffi::Error::InvalidArgument(kIsa.problem);
   const size_t n_leaves = decay.size();
-  if (has_param.size() != n_leaves || rets.size() != 3 * n_leaves) {
+  size_t n_rets = 0;
+  for (size_t i = 0; i < quantized.size(); ++i) n_rets += quantized[i] ? 5 : 3;
+  if (has_param.size() != n_leaves || quantized.size() != n_leaves || rets.size() != n_rets) {
     return ffi::Error::InvalidArgument("optax_hybrid adamw: inconsistent leaf counts");
   }
   if (scalars.element_count() != 8) {
@@ -362,51 +833,100 @@ ffi::Error AdamWImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> scalars, ffi::R
   const float* sc = scalars.typed_data();
   const Scalars s{sc[0], sc[1], sc[2], sc[3], sc[4], sc[5], sc[6], sc[7] != 0.0f};
 
+  // The code tables, rows: signed map, unsigned map, signed thresholds,
+  // unsigned thresholds (native_cpu.py: CODE_TABLES).
+  if (code_tables.element_count() != 4 * kCodes) {
+    return ffi::Error::InvalidArgument("optax_hybrid adamw: expected 4 x 256 code tables");
+  }
+  QuantTables tables{};
+  const bool any_quantized = std::any_of(quantized.begin(), quantized.end(), [](int32_t q) { return q != 0; });
+  if (any_quantized) {
+    if (block_size < 1 || block_size > kMaxBlock) {
+      return ffi::Error::InvalidArgument("optax_hybrid adamw: block size out of range");
+    }
+    const float* t = code_tables.typed_data();
+    tables = QuantTables{t, t + kCodes, &search_for(t + 2 * kCodes), &search_for(t + 3 * kCodes)};
+  }
+
+  // A result updated in place: copied in first when XLA did not alias it.
+  const auto in_place = [](const ffi::AnyBuffer& in, ffi::Result<ffi::AnyBuffer>& out) {
+    if (out->untyped_data() != in.untyped_data()) std::memcpy(out->untyped_data(), in.untyped_data(), in.size_bytes());
+    return out->untyped_data();
+  };
+
   std::vector<Leaf> leaves;
   leaves.reserve(n_leaves);
-  size_t arg = 0;
+  size_t arg = 0, ret = 0;
   for (size_t i = 0; i < n_leaves; ++i) {
+    const bool quantized_leaf = quantized[i] != 0;
+    const size_t n_moment = quantized_leaf ? 2 : 1;  // codes and scales, or values
     auto g = args.get<ffi::AnyBuffer>(arg++);
-    auto m = args.get<ffi::AnyBuffer>(arg++);
-    auto v = args.get<ffi::AnyBuffer>(arg++);
-    if (!g.has_value() || !m.has_value() || !v.has_value()) {
-      return ffi::Error::InvalidArgument("optax_hybrid adamw: missing leaf operand");
+    std::vector<ffi::AnyBuffer> moments;  // mu's then nu's
+    for (size_t k = 0; k < 2 * n_moment; ++k) {
+      auto x = args.get<ffi::AnyBuffer>(arg++);
+      if (!x.has_value()) return ffi::Error::InvalidArgument("optax_hybrid adamw: missing leaf operand");
+      moments.push_back(*x);
     }
+    if (!g.has_value()) return ffi::Error::InvalidArgument("optax_hybrid adamw: missing leaf operand");
     void* p = nullptr;
     if (has_param[i]) {
       auto pb = args.get<ffi::AnyBuffer>(arg++);
       if (!pb.has_value()) return ffi::Error::InvalidArgument("optax_hybrid adamw: missing param");
       p = pb->untyped_data();
     }
-    auto out = rets.get<ffi::AnyBuffer>(3 * i);
-    auto m_out = rets.get<ffi::AnyBuffer>(3 * i + 1);
-    auto v_out = rets.get<ffi::AnyBuffer>(3 * i + 2);
-    if (!out.has_value() || !m_out.has_value() || !v_out.has_value()) {
-      return ffi::Error::InvalidArgument("optax_hybrid adamw: missing result");
-    }
-    // Moments are updated in place: copy in when XLA did not alias them.
-    if ((*m_out)->untyped_data() != m->untyped_data()) {
-      std::memcpy((*m_out)->untyped_data(), m->untyped_data(), m->size_bytes());
-    }
-    if ((*v_out)->untyped_data() != v->untyped_data()) {
-      std::memcpy((*v_out)->untyped_data(), v->untyped_data(), v->size_bytes());
+    auto out = rets.get<ffi::AnyBuffer>(ret++);
+    if (!out.has_value()) return ffi::Error::InvalidArgument("optax_hybrid adamw: missing result");
+    void* state[4] = {nullptr, nullptr, nullptr, nullptr};
+    for (size_t k = 0; k < 2 * n_moment; ++k) {
+      auto x = rets.get<ffi::AnyBuffer>(ret++);
+      if (!x.has_value()) return ffi::Error::InvalidArgument("optax_hybrid adamw: missing result");
+      if ((*x)->size_bytes() != moments[k].size_bytes()) {
+        return ffi::Error::InvalidArgument("optax_hybrid adamw: a moment result differs from its operand");
+      }
+      state[k] = in_place(moments[k], *x);
     }
     if ((write_params || decay[i]) && p == nullptr) {
       return ffi::Error::InvalidArgument("optax_hybrid adamw: this leaf needs its param");
     }
-    if (m->element_type() != v->element_type()) {
+    const ffi::AnyBuffer& mu = moments[0];
+    const ffi::AnyBuffer& nu = moments[n_moment];
+    if (mu.element_type() != nu.element_type()) {
       return ffi::Error::InvalidArgument("optax_hybrid adamw: mu and nu dtypes differ");
     }
-    leaves.push_back(Leaf{g->untyped_data(), (*m_out)->untyped_data(), (*v_out)->untyped_data(), p,
-                          (*out)->untyped_data(), static_cast<int64_t>(g->element_count()),
-                          kind_of(g->element_type()), kind_of(m->element_type()),
-                          kind_of((*out)->element_type()), decay[i] != 0});
+    Leaf leaf{g->untyped_data(), state[0], state[n_moment], p, (*out)->untyped_data(),
+              static_cast<int64_t>(g->element_count()), kind_of(g->element_type()), kind_of(mu.element_type()),
+              kind_of((*out)->element_type()), decay[i] != 0};
+    if (quantized_leaf) {
+      // Codes shaped like the leaf, float32 scales (..., ceil(row / block)).
+      const auto dims = g->dimensions();
+      const ffi::AnyBuffer& mu_scales = moments[1];
+      const ffi::AnyBuffer& nu_scales = moments[3];
+      if (dims.size() == 0 || mu.element_type() != ffi::DataType::U8 || mu.element_count() != g->element_count() ||
+          nu.element_count() != g->element_count() || mu_scales.element_type() != ffi::DataType::F32 ||
+          nu_scales.element_type() != ffi::DataType::F32) {
+        return ffi::Error::InvalidArgument("optax_hybrid adamw: 8-bit moments need uint8 codes shaped like the "
+                                           "leaf and float32 scales");
+      }
+      leaf.row = dims.back();
+      leaf.block = block_size;
+      leaf.blocks_per_row = (leaf.row + block_size - 1) / block_size;
+      if (leaf.row == 0 || static_cast<int64_t>(mu_scales.element_count()) != leaf.n / leaf.row * leaf.blocks_per_row ||
+          nu_scales.element_count() != mu_scales.element_count()) {
+        return ffi::Error::InvalidArgument("optax_hybrid adamw: 8-bit moment scales of the wrong size");
+      }
+      leaf.m_scales = static_cast<float*>(state[1]);
+      leaf.v_scales = static_cast<float*>(state[3]);
+      leaf.tables = &tables;
+    }
+    leaves.push_back(leaf);
   }
 
   auto sh = std::make_shared<Shared>();
   for (size_t i = 0; i < leaves.size(); ++i) {
-    for (int64_t b = 0; b < leaves[i].n; b += kChunk) {
-      sh->chunks.push_back(Chunk{static_cast<int32_t>(i), b, std::min(leaves[i].n, b + kChunk)});
+    const int64_t items = leaves[i].work_items();
+    const int64_t per_chunk = std::max<int64_t>(1, kChunk / leaves[i].values_per_item());
+    for (int64_t b = 0; b < items; b += per_chunk) {
+      sh->chunks.push_back(Chunk{static_cast<int32_t>(i), b, std::min(items, b + per_chunk)});
     }
   }
   const int64_t total = static_cast<int64_t>(sh->chunks.size());
@@ -439,13 +959,16 @@ ffi::Error AdamWImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> scalars, ffi::R
 XLA_FFI_DEFINE_HANDLER_SYMBOL(OptaxHybridAdamWCpu, AdamWImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // scalars
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // code tables
                                   .RemainingArgs()
                                   .RemainingRets()
                                   .Attr<int32_t>("adamw_mode")
                                   .Attr<int32_t>("write_params")
+                                  .Attr<int32_t>("block_size")
                                   .Attr<ffi::Span<const int32_t>>("decay")
-                                  .Attr<ffi::Span<const int32_t>>("has_param"));
+                                  .Attr<ffi::Span<const int32_t>>("has_param")
+                                  .Attr<ffi::Span<const int32_t>>("quantized"));
 
 // Which instruction set the kernel runs, for optax_hybrid.kernels.native_cpu
 // (through ctypes): its name, or nullptr when OPTAX_HYBRID_NATIVE_ISA asks for

@@ -16,9 +16,13 @@ have, or one the CPU cannot run, leaves the kernel unavailable and
 
 One custom call updates every supported leaf of a group (any number of leaves,
 each in its own buffer: nothing is concatenated), with the moments aliased in
-place. Leaves it cannot take (complex, float64, mixed dtypes it has no loop for)
-go to :func:`reference.update_leaves` in the same step, and so does everything
-on a non-CPU platform (``lax.platform_dependent`` chooses at lowering time).
+place: float moments, or 8-bit block-wise ones
+(:class:`quantized.QuantizedMoment`: codes and scales, both updated in place,
+block by block, with the code maps and thresholds of :mod:`quantized` passed as
+an operand). Leaves it cannot take (complex, float64, mixed dtypes it has no
+loop for) go to :func:`reference.update_leaves` in the same step, and so does
+everything on a non-CPU platform (``lax.platform_dependent`` chooses at
+lowering time).
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from optax_hybrid import _compat
 from optax_hybrid.kernels import contract, quantized, reference
 
 TARGET = "optax_hybrid_adamw_cpu"
@@ -133,16 +138,40 @@ def warn_fallback_once() -> None:
 
 _F32 = np.dtype(jnp.float32)
 
+# The 8-bit format's tables, one operand of every call (rows in this order:
+# the kernel reads them by position): the first moment's code map, the second
+# moment's, then their thresholds. quantized.py is their single source.
+CODE_TABLES = np.stack([quantized.SIGNED_MAP, quantized.UNSIGNED_MAP, quantized.SIGNED_THRESHOLDS,
+                        quantized.UNSIGNED_THRESHOLDS]).astype(np.float32)
+
+
+def _is_quantized(moment) -> bool:
+  return isinstance(moment, quantized.QuantizedMoment)
+
+
+def _supports_quantized(leaf: contract.LeafOperands, fact: contract.LeafFacts, rule: contract.Rule) -> bool:
+  """8-bit moments: both quantized, codes shaped like the leaf, scales per block; float32 updates or new params."""
+  shape = tuple(leaf.grad.shape)
+  if not (_is_quantized(leaf.mu) and _is_quantized(leaf.nu)) or len(shape) == 0:
+    return False
+  for moment in (leaf.mu, leaf.nu):
+    if (tuple(moment.codes.shape) != shape or np.dtype(moment.codes.dtype) != quantized.CODE_DTYPE
+        or tuple(moment.scales.shape) != quantized.scales_shape(shape)
+        or np.dtype(moment.scales.dtype) != quantized.SCALE_DTYPE):
+      return False
+  expected = np.dtype(leaf.grad.dtype) if rule.write_params else _F32
+  return np.dtype(fact.out_dtype) == expected
+
 
 def supports(leaf: contract.LeafOperands, fact: contract.LeafFacts, rule: contract.Rule) -> bool:
   """Whether the compiled loops cover this leaf's dtypes (see ``run_leaf`` in the C++)."""
-  if isinstance(leaf.mu, quantized.QuantizedMoment) or isinstance(leaf.nu, quantized.QuantizedMoment):
-    return False
   t = np.dtype(leaf.grad.dtype)
-  s = np.dtype(leaf.mu.dtype)
-  if t not in contract.STORAGE_DTYPES or s != np.dtype(leaf.nu.dtype) or s not in (_F32, t):
+  if t not in contract.STORAGE_DTYPES or (leaf.param is not None and np.dtype(leaf.param.dtype) != t):
     return False
-  if leaf.param is not None and np.dtype(leaf.param.dtype) != t:
+  if _is_quantized(leaf.mu) or _is_quantized(leaf.nu):
+    return _supports_quantized(leaf, fact, rule)
+  s = np.dtype(leaf.mu.dtype)
+  if s != np.dtype(leaf.nu.dtype) or s not in (_F32, t):
     return False
   expected = t if rule.write_params else (_F32 if s == _F32 else t)
   return np.dtype(fact.out_dtype) == expected
@@ -156,28 +185,44 @@ MAX_LEAVES_PER_CALL = 64
 
 
 def _native_call(leaves, facts, s, rule):
-  """One custom call over at most :data:`MAX_LEAVES_PER_CALL` leaves."""
+  """One custom call over at most :data:`MAX_LEAVES_PER_CALL` leaves.
+
+  Per leaf, the operands are the gradient, mu's arrays, nu's arrays (one
+  array, or codes and scales) and the param if read; the results are the
+  first result and the moments' arrays, each aliased to its operand.
+  """
   operands, has_param, aliases, result_types = [], [], {}, []
-  for i, (leaf, fact) in enumerate(zip(leaves, facts)):
-    base = 1 + len(operands)  # operand 0 is the scalars
-    operands += [leaf.grad, leaf.mu, leaf.nu]
-    aliases[base + 1] = 3 * i + 1
-    aliases[base + 2] = 3 * i + 2
+  for leaf, fact in zip(leaves, facts):
+    first_result = len(result_types)
+    moments = jax.tree.leaves((leaf.mu, leaf.nu))  # [mu] + [nu], or codes and scales of each
+    base = 2 + len(operands)  # operands 0 and 1 are the scalars and the code tables
+    operands += [leaf.grad, *moments]
+    result_types.append(jax.ShapeDtypeStruct(leaf.grad.shape, fact.out_dtype))
+    for k, x in enumerate(moments):
+      aliases[base + 1 + k] = len(result_types)
+      result_types.append(jax.ShapeDtypeStruct(x.shape, x.dtype))
     if leaf.param is not None:
-      operands.append(leaf.param)
       if rule.write_params:
-        aliases[base + 3] = 3 * i  # the new param overwrites the old one in place
+        aliases[base + 1 + len(moments)] = first_result  # the new param overwrites the old one in place
+      operands.append(leaf.param)
     has_param.append(0 if leaf.param is None else 1)
-    result_types += [jax.ShapeDtypeStruct(leaf.grad.shape, fact.out_dtype),
-                     jax.ShapeDtypeStruct(leaf.mu.shape, leaf.mu.dtype),
-                     jax.ShapeDtypeStruct(leaf.nu.shape, leaf.nu.dtype)]
+  # The tables go where the leaves are (host memory inside host compute).
+  tables = _compat.move(jnp.asarray(CODE_TABLES), _compat.memory_space_of(leaves[0].grad))
   call = jax.ffi.ffi_call(TARGET, result_types, input_output_aliases=aliases)
-  outs = call(
-      contract.pack_scalars(s), *operands,
+  outs = iter(call(
+      contract.pack_scalars(s), tables, *operands,
       adamw_mode=np.int32(rule.adamw_mode), write_params=np.int32(rule.write_params),
-      decay=np.asarray([int(f.decay) for f in facts], np.int32), has_param=np.asarray(has_param, np.int32),
-  )
-  return [contract.LeafResult(*outs[3 * i:3 * i + 3]) for i in range(len(leaves))]
+      block_size=np.int32(quantized.BLOCK_SIZE), decay=np.asarray([int(f.decay) for f in facts], np.int32),
+      has_param=np.asarray(has_param, np.int32),
+      quantized=np.asarray([int(_is_quantized(leaf.mu)) for leaf in leaves], np.int32),
+  ))
+  results = []
+  for leaf in leaves:
+    first = next(outs)
+    mu = jax.tree.unflatten(jax.tree.structure(leaf.mu), [next(outs) for _ in jax.tree.leaves(leaf.mu)])
+    nu = jax.tree.unflatten(jax.tree.structure(leaf.nu), [next(outs) for _ in jax.tree.leaves(leaf.nu)])
+    results.append(contract.LeafResult(first, mu, nu))
+  return results
 
 
 def update_leaves(
