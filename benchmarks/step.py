@@ -2,6 +2,7 @@
 
     python benchmarks/step.py [--scale 1.0] [--reps 9] [--trees one,many,gpt2] [--kernels xla,native]
                               [--dtype float32] [--compare-library LABEL=PATH ...] [--compare-isa avx2 ...]
+                              [--moment-formats float32,8bit] [--variants 'native.*tx.step']
 
 Trees: one leaf of 16M params; 1024 leaves of 16K; the GPT-2-small shapes
 (124M params, 148 leaves; --scale shrinks every dimension's product by that
@@ -34,6 +35,10 @@ builds loaded alike compare fairly.
 --compare-isa NAME (repeatable): the installed build with its work loop forced to
 that instruction set (a copy of it, loaded with OPTAX_HYBRID_NATIVE_ISA=NAME),
 as "ours native isa NAME" rows.
+--moment-formats: our variants once per moment format (``8bit``: 8-bit
+block-wise moments, rows named "... 8bit moments ..."; the GB/s column still
+counts the float32 step's bytes). --variants: only the variants whose names
+match this regular expression (optax.adamw, the ratios' reference, always runs).
 """
 
 from __future__ import annotations
@@ -180,30 +185,42 @@ def installed_library_with_isa(isa: str, scratch: str) -> tuple[str, str]:
   return compared_library(f"isa {isa}={copy}", isa)
 
 
-def variants(shapes, dtype, have_torch, compared, kernels=("xla", "native")):
-  """``compared``: (label, target) of other native builds, each timed in the tx.step variants."""
+def variants(shapes, dtype, have_torch, compared, kernels=("xla", "native"), moment_formats=("float32",),
+             wanted=None):
+  """Makers of the variants to time.
+
+  ``compared``: (label, target) of other native builds, each timed in the
+  tx.step variants; ``moment_formats``: our variants once per format;
+  ``wanted``: a regular expression the names must match (None: all).
+  """
   builds = [("xla", "", None)] if "xla" in kernels else []
   builds += [("native", "", native_cpu.TARGET)] if "native" in kernels and native_cpu.available() else []
   builds += [("native", f" {label}", target) for label, target in compared]
-  moments = {} if dtype == jnp.float32 else {"mu_dtype": jnp.float32, "nu_dtype": jnp.float32}
   out = []
   tx = optax.adamw(LR, weight_decay=WD, **({} if dtype == jnp.float32 else {"mu_dtype": jnp.float32}))
-  out.append(lambda: JaxVariant("optax.adamw", shapes, dtype, lambda: jax.jit(
+  out.append(("optax.adamw", lambda: JaxVariant("optax.adamw", shapes, dtype, lambda: jax.jit(
       lambda p, s, g: (lambda u, s: (optax.apply_updates(p, u), s))(*tx.update(g, s, p)), donate_argnums=(0, 1)),
-      tx.init))
-  for kernel, label, target in builds:
-    for memory in ("device", "pinned_host"):
-      ours = optax_hybrid.hybrid_adamw(LR, weight_decay=WD, kernel=kernel, state_memory_kind=memory, **moments)
-      out.append(lambda ours=ours, name=f"ours {kernel}{label}, {memory} moments, tx.step", target=target: JaxVariant(
-          name, shapes, dtype, lambda: jax.jit(ours.step, donate_argnums=(0, 1)), ours.init, target))
-    if not label:
-      ours = optax_hybrid.hybrid_adamw(LR, weight_decay=WD, kernel=kernel, **moments)
-      out.append(lambda ours=ours, kernel=kernel, target=target: JaxVariant(
-          f"ours {kernel}, device moments, update+apply", shapes, dtype, lambda: optax_contract_step(ours),
-          ours.init, target))
+      tx.init)))
+  for moment_format in moment_formats:
+    if moment_format == "float32":  # the rows' names unchanged
+      moments, shown = ({} if dtype == jnp.float32 else {"mu_dtype": jnp.float32, "nu_dtype": jnp.float32}), ""
+    else:
+      moments, shown = {"moment_format": moment_format}, f" {moment_format}"
+    for kernel, label, target in builds:
+      for memory in ("device", "pinned_host"):
+        ours = optax_hybrid.hybrid_adamw(LR, weight_decay=WD, kernel=kernel, state_memory_kind=memory, **moments)
+        name = f"ours {kernel}{label}, {memory}{shown} moments, tx.step"
+        out.append((name, lambda ours=ours, name=name, target=target: JaxVariant(
+            name, shapes, dtype, lambda: jax.jit(ours.step, donate_argnums=(0, 1)), ours.init, target)))
+      if not label:
+        ours = optax_hybrid.hybrid_adamw(LR, weight_decay=WD, kernel=kernel, **moments)
+        name = f"ours {kernel}, device{shown} moments, update+apply"
+        out.append((name, lambda ours=ours, name=name, target=target: JaxVariant(
+            name, shapes, dtype, lambda: optax_contract_step(ours), ours.init, target)))
   if have_torch and dtype == jnp.float32:
-    out.append(lambda: TorchVariant(shapes))
-  return out
+    out.append(("torch AdamW(fused=True)", lambda: TorchVariant(shapes)))
+  keep = lambda name: wanted is None or name == "optax.adamw" or re.search(wanted, name) is not None
+  return [make for name, make in out if keep(name)]
 
 
 def copy_bandwidth(reps):
@@ -234,6 +251,10 @@ def main(argv=None):
                       help="another build of native_cpu.cc to time side by side (repeatable)")
   parser.add_argument("--compare-isa", action="append", default=[], choices=("avx512", "avx2", "baseline"),
                       help="the installed build forced to this instruction set, side by side (repeatable)")
+  parser.add_argument("--moment-formats", default="float32",
+                      help="comma-separated moment formats of our variants: float32 (default), 8bit")
+  parser.add_argument("--variants", default=None,
+                      help="a regular expression; keep the variants whose names match it (default: all)")
   args = parser.parse_args(argv)
   dtype = jnp.dtype(args.dtype)
   compared = [compared_library(spec) for spec in args.compare_library]
@@ -256,7 +277,7 @@ def main(argv=None):
   for tree_name, shapes in trees(args.trees.split(","), args.scale).items():
     n_params = sum(math.prod(s) for s in shapes.values())
     built = [make() for make in variants(shapes, dtype, have_torch and dtype == jnp.float32, compared,
-                                         args.kernels.split(","))]
+                                         args.kernels.split(","), args.moment_formats.split(","), args.variants)]
     for v in built:  # warm-up: compile and touch every buffer
       for _ in range(2):
         v.run()
