@@ -32,6 +32,10 @@ compare two builds, pass both this way (a copy of the installed one too) with
 --kernels none: the installed build's own rows measured a few percent slower
 than a copy of the very same library loaded this way (2026-12-01), so only
 builds loaded alike compare fairly.
+The other build is called the way this checkout calls the kernel: a build
+from before the 8-bit moments (whose call adds the code tables operand and the
+block_size and quantized attributes) fails with "Wrong number of attributes";
+time it with the step.py of its own commit.
 --compare-isa NAME (repeatable): the installed build with its work loop forced to
 that instruction set (a copy of it, loaded with OPTAX_HYBRID_NATIVE_ISA=NAME),
 as "ours native isa NAME" rows.
