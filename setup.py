@@ -6,11 +6,11 @@ cannot be built (no C++ compiler, an unsupported platform), installation still
 succeeds: the package then uses its XLA path and says so once at run time.
 
 It is compiled without ``-march``, so a wheel (``python -m build``) runs on any
-CPU of its architecture. On x86-64 its work loop is compiled three times, for
-AVX-512, AVX2 and the baseline (``target`` attributes in native_cpu.cc), and the
-library picks the widest one the CPU runs when it loads; the environment
-variable ``OPTAX_HYBRID_NATIVE_ISA`` (``auto``, ``avx512``, ``avx2``,
-``baseline``) forces one, and ``optax_hybrid.kernels.native_cpu.isa()`` says
+CPU of its architecture. On x86-64 its work loop is compiled four times, for
+AVX-512 with and without VBMI, AVX2 and the baseline (``target`` attributes in
+native_cpu.cc), and the library picks the widest one the CPU runs when it
+loads; the environment variable ``OPTAX_HYBRID_NATIVE_ISA`` (``auto``,
+``avx512vbmi``, ``avx512``, ``avx2``, ``baseline``) forces one, and ``optax_hybrid.kernels.native_cpu.isa()`` says
 which runs.
 """
 

@@ -253,7 +253,7 @@ def main(argv=None):
                       help="params and gradients (default float32); our moments are float32")
   parser.add_argument("--compare-library", action="append", default=[], metavar="LABEL=PATH",
                       help="another build of native_cpu.cc to time side by side (repeatable)")
-  parser.add_argument("--compare-isa", action="append", default=[], choices=("avx512", "avx2", "baseline"),
+  parser.add_argument("--compare-isa", action="append", default=[], choices=("avx512vbmi", "avx512", "avx2", "baseline"),
                       help="the installed build forced to this instruction set, side by side (repeatable)")
   parser.add_argument("--moment-formats", default="float32",
                       help="comma-separated moment formats of our variants: float32 (default), 8bit")

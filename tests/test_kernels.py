@@ -175,10 +175,10 @@ def test_without_the_library_the_xla_path_is_used_with_one_warning(monkeypatch):
 # --- the instruction set the native kernel runs -------------------------------
 
 # What each variant of native_cpu.cc needs, in /proc/cpuinfo's names.
-ISA_FLAGS = {"avx512": {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx2", "fma", "f16c"},
-             "avx2": {"avx2", "fma", "f16c"}}
+AVX512_FLAGS = {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx2", "fma", "f16c"}
+ISA_FLAGS = {"avx512vbmi": AVX512_FLAGS | {"avx512vbmi"}, "avx512": AVX512_FLAGS, "avx2": {"avx2", "fma", "f16c"}}
 X86 = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
-ISAS_OF_THIS_BUILD = ("avx512", "avx2", "baseline") if X86 else ("baseline",)
+ISAS_OF_THIS_BUILD = ("avx512vbmi", "avx512", "avx2", "baseline") if X86 else ("baseline",)
 
 
 def isas_from_proc_cpuinfo():

@@ -14,6 +14,9 @@ float64-model tests keep their values normal.
 """
 
 import itertools
+import os
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -25,6 +28,7 @@ from optax_hybrid.kernels import LeafFacts, LeafOperands, Rule, native_cpu, quan
 from numpy_reference import adamw_step_8bit, dequantize_blockwise, dynamic_tree_map
 from stepping import call_kernel
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 needs_native = pytest.mark.skipif(not native_cpu.available(), reason=f"native kernel: {native_cpu.why_unavailable()}")
 
 # Rows whose length is not a multiple of the block (188 and 232 left over),
@@ -224,6 +228,40 @@ def test_native_8bit_against_float64_model(dtype, write_params, adamw_mode):
       assert (np.abs(decoded - x64) <= step / 2 * (1 + 1e-5) + 1e-30).all()
 
 
+def native_8bit_results():
+  """One native step on SHAPES for each storage dtype, updates and new params: {name: array}."""
+  results = {}
+  for dtype in (jnp.float32, jnp.bfloat16, jnp.float16):
+    g, m, v, p = random_leaves(SHAPES, dtype, seed=5, zero_blocks=0.1)
+    decays = [i % 2 == 0 for i in range(len(SHAPES))]
+    for write_params in (False, True):
+      out_dtypes = [dtype if write_params else jnp.float32] * len(SHAPES)
+      got = run(native_cpu.update_leaves, g, m, v, p, decays, out_dtypes, scalars(), adamw_mode=True,
+                write_params=write_params)
+      for k, x in enumerate(jax.tree.leaves(got)):
+        results[f"{np.dtype(dtype).name}_{write_params}_{k}"] = np.asarray(x).view(np.uint8)  # bits, compared exactly
+  return results
+
+
+@needs_native
+@pytest.mark.skipif(native_cpu.isas_this_cpu_runs()[:1] != ("avx512vbmi",), reason="needs a CPU with AVX-512 VBMI")
+def test_native_8bit_decodes_by_byte_permutes_exactly_as_by_gathers(tmp_path):
+  # avx512vbmi and avx512 differ only in how they look the codes up, so every
+  # bit of every result agrees. The other copy runs in a process of its own.
+  env = dict(os.environ, JAX_PLATFORMS="cpu", OPTAX_HYBRID_NATIVE_ISA="avx512",
+             PYTHONPATH=os.pathsep.join([ROOT] + [q for q in [os.environ.get("PYTHONPATH")] if q]))
+  out = tmp_path / "avx512.npz"
+  result = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "native_8bit_script.py"), str(out),
+                           "--expect-isa", "avx512"], env=env, capture_output=True, text=True, timeout=300)
+  assert result.returncode == 0, result.stdout + result.stderr
+  if native_cpu.isa() != "avx512vbmi":
+    pytest.skip(f"this process runs {native_cpu.isa()} ({native_cpu.ISA_VARIABLE} is set)")
+  by_gathers, by_permutes = np.load(out), native_8bit_results()
+  assert sorted(by_gathers.files) == sorted(by_permutes) and len(by_permutes) == 3 * 2 * 5 * len(SHAPES)
+  for name, bits in by_permutes.items():
+    np.testing.assert_array_equal(by_gathers[name], bits, err_msg=name)
+
+
 @needs_native
 def test_native_8bit_codes_on_and_beside_every_threshold():
   # b1 = b2 = 0: the new moments are g and g * g exactly, and a 1.0 in each
@@ -306,6 +344,29 @@ def test_native_8bit_zero_blocks_and_extreme_scales():
     x64, size64 = moment64(old, g64, beta, signed)
     assert_scales_match(new.scales, ref_new.scales, size64)
     assert_codes_match(new.codes, ref_new.codes, x64, size64, ref_new.scales, signed, "extreme blocks")
+
+
+@needs_native
+def test_native_8bit_blocks_above_2_126_shrink_before_normalizing_as_the_reference():
+  # First moments near 3e38: the reciprocal of such a scale is subnormal, so
+  # both the kernel and the reference rule shrink the block by 2**-64 first
+  # (quantized.normalize); without it every code would be the zero code.
+  shape = (2, 512)
+  rng = np.random.default_rng(6)
+  g = jnp.asarray(rng.normal(size=shape) * 1e-3, jnp.float32)
+  m, v = random_moment(rng, shape, True), random_moment(rng, shape, False)
+  m = m._replace(scales=jnp.asarray([[3e38, 1.5e38], [1.0, 2e-3]], jnp.float32))
+  v = v._replace(scales=jnp.full((2, 2), 1e36, jnp.float32))
+  args = ([g], [m], [v], [g], [False], [jnp.float32], scalars(weight_decay=0.0))
+  (u,), (mu,), (nu,) = run(native_cpu.update_leaves, *args, adamw_mode=True, write_params=False)
+  (want_u,), (want_mu,), (want_nu,) = run(reference.update_leaves, *args, adamw_mode=True, write_params=False)
+  assert float(mu.scales[0, 0]) > 2.0**126 and float(mu.scales[0, 1]) > 2.0**126
+  assert len(np.unique(np.asarray(mu.codes)[0])) > 100  # the huge blocks keep their spread of codes
+  np.testing.assert_allclose(np.asarray(u), np.asarray(want_u), rtol=4e-6)
+  for new, ref_new, old, beta, signed in ((mu, want_mu, m, B1, True), (nu, want_nu, v, B2, False)):
+    x64, size64 = moment64(old, np.asarray(g, np.float64), beta, signed)
+    assert_scales_match(new.scales, ref_new.scales, size64)
+    assert_codes_match(new.codes, ref_new.codes, x64, size64, ref_new.scales, signed, "huge blocks")
 
 
 @needs_native

@@ -102,6 +102,30 @@ def test_round_trip_is_within_the_bound_the_map_implies(signed):
     assert back[row, i] == pytest.approx(x[row, i], rel=1e-6)
 
 
+def test_normalize_multiplies_by_the_reciprocal_only_where_scale_and_reciprocal_are_normal():
+  # One block per scale: the smallest and largest scales whose reciprocal is
+  # normal (2**-126, 2**126), larger ones (shrunk by 2**-64 first), an
+  # all-zero block (scale taken as 1) and ordinary ones. Expected values from
+  # NumPy's own float32 arithmetic.
+  f32 = np.float32
+  scales = np.array([2.0**-126, 2.0**126, 2.0**127, 3e38, 0.0, 3.0, 0.7, 1e-20], f32)
+  rng = np.random.default_rng(7)
+  blocks = (rng.uniform(-1, 1, size=(len(scales), 256)) * scales[:, None]).astype(f32)
+  blocks[np.arange(len(scales)), rng.integers(0, 256, len(scales))] = scales  # each block's largest magnitude
+  blocks[0] = np.where(rng.random(256) < 0.5, -scales[0], scales[0])  # +-2**-126: normal (XLA flushes subnormals)
+  got = np.asarray(jax.jit(quantized.normalize)(blocks, scales))
+  safe = np.where(scales > 0, scales, f32(1))[:, None]
+  by_reciprocal = blocks * (f32(1) / safe)
+  shrunk = (blocks * f32(2.0**-64)) * (f32(1) / (safe * f32(2.0**-64)))
+  np.testing.assert_array_equal(got[[0, 1, 4, 5, 6, 7]], by_reciprocal[[0, 1, 4, 5, 6, 7]])
+  np.testing.assert_array_equal(got[[2, 3]], shrunk[[2, 3]])
+  assert not np.array_equal(by_reciprocal[[5, 6]], (blocks / safe)[[5, 6]])  # not the quotient's rounding
+  # Within two float32 ulps of the quotient, and never beyond 1 + 2**-23 in magnitude.
+  exact = blocks.astype(np.float64) / np.where(scales > 0, scales, 1).astype(np.float64)[:, None]
+  assert np.all(np.abs(got - exact) <= 2 * np.finfo(f32).eps * np.abs(exact))
+  assert np.abs(got).max() <= 1 + 2.0**-23
+
+
 def test_round_trip_in_and_out_of_jit_agrees_and_nan_stays_in_its_block():
   x = np.random.default_rng(1).normal(size=(2, 512)).astype(np.float32)
   x[0, 3] = np.nan

@@ -274,20 +274,49 @@ OPTAX_HYBRID_BODY uint32_t largest_magnitude_bits(const float* __restrict x, int
   return largest;
 }
 
+// A block's values are normalized as quantized.normalize says: times the
+// reciprocal of the scale (of 1 for a zero or subnormal scale); a scale above 2**126
+// (0x7e800000), whose reciprocal would be subnormal, first shrinks the values
+// and the scale by 2**-64. by_reciprocal: no shrinking needed.
+OPTAX_HYBRID_BODY bool by_reciprocal(uint32_t largest) { return largest <= 0x7e800000u; }
+constexpr float kShrinkHuge = 0x1p-64f;
+// The factor of a block that needs no shrinking.
+OPTAX_HYBRID_BODY float reciprocal_of_scale(uint32_t largest) {
+  return largest < 0x00800000u ? 1.0f : 1.0f / float_of(largest);
+}
+
 // Quantizes one block given its largest magnitude: returns the scale and
-// writes the codes of x / scale (x / 1 for an all-zero block).
+// writes the codes of the block's normalized values.
 OPTAX_HYBRID_BODY float quantize_block(const float* __restrict x, int64_t n, uint8_t* __restrict codes, const CodeSearch& cs,
                             uint32_t largest) {
   const float scale = float_of(largest);
-  const float divisor = largest == 0 ? 1.0f : scale;
+  const float shrink = by_reciprocal(largest) ? 1.0f : kShrinkHuge;
+  const float factor = by_reciprocal(largest) ? reciprocal_of_scale(largest) : 1.0f / (scale * shrink);
   if (cs.shift == 0 || largest >= 0x7f800000u) {  // no table, or an infinite or NaN scale
-    for (int64_t i = 0; i < n; ++i) codes[i] = static_cast<uint8_t>(code_by_binary_search(cs.thresholds, x[i] / divisor));
+    for (int64_t i = 0; i < n; ++i) {
+      codes[i] = static_cast<uint8_t>(code_by_binary_search(cs.thresholds, x[i] * shrink * factor));
+    }
   } else {
     const int32_t* __restrict at_zero = cs.at_zero;
     const uint32_t shift = cs.shift;
-    for (int64_t i = 0; i < n; ++i) codes[i] = static_cast<uint8_t>(code_by_table(at_zero, shift, x[i] / divisor));
+    for (int64_t i = 0; i < n; ++i) codes[i] = static_cast<uint8_t>(code_by_table(at_zero, shift, x[i] * shrink * factor));
   }
   return scale;
+}
+
+// A code map's 256 float32 values as four planes of bytes (plane b holds byte
+// b of every value), for table lookups by byte permutes (AVX-512 VBMI).
+struct BytePlanes {
+  alignas(64) uint8_t plane[4][kCodes];
+};
+
+BytePlanes byte_planes(const float* map) {
+  BytePlanes planes;
+  for (int c = 0; c < kCodes; ++c) {
+    const uint32_t u = bits_of(map[c]);
+    for (int b = 0; b < 4; ++b) planes.plane[b][c] = static_cast<uint8_t>(u >> (8 * b));
+  }
+  return planes;
 }
 
 struct QuantTables {
@@ -295,6 +324,7 @@ struct QuantTables {
   const float* unsigned_map;  // 256 values, the second moment's
   const CodeSearch* signed_search;
   const CodeSearch* unsigned_search;
+  BytePlanes signed_planes, unsigned_planes;  // the maps again, as byte planes
 };
 
 // One block of one leaf (n <= kMaxBlock values of one row), in portable C++
@@ -422,36 +452,37 @@ OPTAX_HYBRID_BODY void step_blocks_portable(const Leaf& leaf, int64_t begin, int
 }
 
 // The 8-bit path's rule (skip, decoupled decay, L2 decay, none) over blocks
-// [begin, end), BLOCKS being the loops: step_blocks_portable or _avx512.
-#define OPTAX_HYBRID_QUANTIZED_RULE(BLOCKS)                                                     \
+// [begin, end), BLOCKS being the loops: step_blocks_portable or _avx512, with
+// EXTRA (empty, or a comma and more arguments) after the common ones.
+#define OPTAX_HYBRID_QUANTIZED_RULE(BLOCKS, EXTRA)                                              \
   if (!s.step_ok) { /* codes and scales stay; consecutive blocks are consecutive values */    \
     skip_range<T, U, kWriteParams>(static_cast<const T*>(leaf.p), static_cast<U*>(leaf.out),    \
                                    block_at(leaf, begin).first_value, block_at(leaf, end).first_value); \
   } else if (leaf.decay && adamw) {                                                            \
-    BLOCKS<T, U, true, false, kWriteParams>(leaf, begin, end, s);                              \
+    BLOCKS<T, U, true, false, kWriteParams>(leaf, begin, end, s EXTRA);                        \
   } else if (leaf.decay) {                                                                     \
-    BLOCKS<T, U, false, true, kWriteParams>(leaf, begin, end, s);                              \
+    BLOCKS<T, U, false, true, kWriteParams>(leaf, begin, end, s EXTRA);                        \
   } else {                                                                                     \
-    BLOCKS<T, U, false, false, kWriteParams>(leaf, begin, end, s);                             \
+    BLOCKS<T, U, false, false, kWriteParams>(leaf, begin, end, s EXTRA);                       \
   }
 
 // The dtypes the 8-bit path takes (T: grad and param; U: the first result):
 // U == f32, or U == T when writing params. RUN<T, U, kWriteParams> runs them.
-#define OPTAX_HYBRID_QUANTIZED_DTYPES(RUN)                                                                 \
+#define OPTAX_HYBRID_QUANTIZED_DTYPES(RUN, EXTRA)                                                                 \
   if constexpr (kWriteParams) {                                                                           \
-    if (leaf.t == Kind::kF32 && leaf.u == Kind::kF32) return RUN<float, float, true>(leaf, begin, end, s, adamw), true; \
-    if (leaf.t == Kind::kBF16 && leaf.u == Kind::kBF16) return RUN<BF16, BF16, true>(leaf, begin, end, s, adamw), true; \
-    if (leaf.t == Kind::kF16 && leaf.u == Kind::kF16) return RUN<F16, F16, true>(leaf, begin, end, s, adamw), true; \
+    if (leaf.t == Kind::kF32 && leaf.u == Kind::kF32) return RUN<float, float, true>(leaf, begin, end, s, adamw EXTRA), true; \
+    if (leaf.t == Kind::kBF16 && leaf.u == Kind::kBF16) return RUN<BF16, BF16, true>(leaf, begin, end, s, adamw EXTRA), true; \
+    if (leaf.t == Kind::kF16 && leaf.u == Kind::kF16) return RUN<F16, F16, true>(leaf, begin, end, s, adamw EXTRA), true; \
   } else {                                                                                                \
-    if (leaf.t == Kind::kF32 && leaf.u == Kind::kF32) return RUN<float, float, false>(leaf, begin, end, s, adamw), true; \
-    if (leaf.t == Kind::kBF16 && leaf.u == Kind::kF32) return RUN<BF16, float, false>(leaf, begin, end, s, adamw), true; \
-    if (leaf.t == Kind::kF16 && leaf.u == Kind::kF32) return RUN<F16, float, false>(leaf, begin, end, s, adamw), true; \
+    if (leaf.t == Kind::kF32 && leaf.u == Kind::kF32) return RUN<float, float, false>(leaf, begin, end, s, adamw EXTRA), true; \
+    if (leaf.t == Kind::kBF16 && leaf.u == Kind::kF32) return RUN<BF16, float, false>(leaf, begin, end, s, adamw EXTRA), true; \
+    if (leaf.t == Kind::kF16 && leaf.u == Kind::kF32) return RUN<F16, float, false>(leaf, begin, end, s, adamw EXTRA), true; \
   }
 
 template <typename T, typename U, bool kWriteParams>
 OPTAX_HYBRID_BODY void run_quantized_leaf_typed(const Leaf& leaf, int64_t begin, int64_t end, const Scalars& s,
                                                 bool adamw) {
-  OPTAX_HYBRID_QUANTIZED_RULE(step_blocks_portable)
+  OPTAX_HYBRID_QUANTIZED_RULE(step_blocks_portable, )
 }
 
 // The per-chunk body: one range of one leaf, any supported dtype combination
@@ -465,7 +496,7 @@ OPTAX_HYBRID_BODY void run_quantized_leaf_typed(const Leaf& leaf, int64_t begin,
 template <bool kWriteParams>
 OPTAX_HYBRID_BODY bool run_leaf(const Leaf& leaf, int64_t begin, int64_t end, const Scalars& s, bool adamw) {
   if (leaf.s == Kind::kU8) {
-    OPTAX_HYBRID_QUANTIZED_DTYPES(run_quantized_leaf_typed)
+    OPTAX_HYBRID_QUANTIZED_DTYPES(run_quantized_leaf_typed, )
     return false;
   }
 #define OPTAX_HYBRID_CASE(KT, KS, KU, T, S, U)                                  \
@@ -501,10 +532,12 @@ OPTAX_HYBRID_BODY bool run_leaf(const Leaf& leaf, int64_t begin, int64_t end, co
 #define OPTAX_HYBRID_AVX512_ATTRIBUTES __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq"), always_inline))
 #define OPTAX_HYBRID_AVX512 inline OPTAX_HYBRID_AVX512_ATTRIBUTES
 
-// The same with AVX-512 (F, BW, VL, DQ): the table lookups are hardware
-// gathers, which compilers tuned for generic x86-64 do not emit for the
-// portable loops. The codes of block j-1 are computed inside block j's step
-// loop, so that their gathers and integer work overlap block j's divisions.
+// The same with AVX-512 (F, BW, VL, DQ): the code search's lookups are
+// hardware gathers, which compilers tuned for generic x86-64 do not emit for
+// the portable loops. A block's moments are first dequantized into its
+// buffers (by byte permutes where the CPU has VBMI, else by gathers), then
+// stepped; the codes of block j-1 are computed inside block j's step loop, so
+// that their gathers and integer work overlap block j's divisions.
 
 // 16 values as float32, the lanes outside `lanes` read as zero / left untouched.
 OPTAX_HYBRID_AVX512 __m512 load16(const float* p, __mmask16 lanes) { return _mm512_maskz_loadu_ps(lanes, p); }
@@ -552,9 +585,69 @@ struct CodeTable16 {
   }
 };
 
+// The hardware prefetchers alone leave this compute-heavy loop waiting on
+// memory for large leaves; a prefetch kPrefetchValues values ahead (four blocks)
+// keeps its streams (grad, param, both codes) in L1. Past the end it is a no-op.
+constexpr int64_t kPrefetchValues = 1024;
+template <typename X>
+OPTAX_HYBRID_AVX512 void prefetch_ahead(const X* x) {
+  _mm_prefetch(reinterpret_cast<const char*>(x + kPrefetchValues), _MM_HINT_T0);
+}
+
+// out[0 .. n) = map[codes[i]] * scale, by gathers; out is written up to the
+// next multiple of 16 (lanes past n read code 0).
+OPTAX_HYBRID_AVX512 void dequantize_by_gathers(const uint8_t* codes, int64_t n, const float* map, float scale,
+                                               float* out) {
+  const __m512 factor = _mm512_set1_ps(scale);
+  for (int64_t i = 0; i < n; i += 16) {
+    const __m512i code = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(lanes_below(n - i), codes + i));
+    _mm512_store_ps(out + i, _mm512_mul_ps(_mm512_i32gather_ps(code, map, 4), factor));
+  }
+}
+
+// The same by byte permutes (AVX-512 VBMI), 64 values at a time: each byte of
+// the 64 values' map entries is one two-table permute per half of the map,
+// and four unpacks put the bytes back together as floats. The unpacks work
+// within 128-bit lanes and leave value 16q + 4L + j at position 16L + 4q + j,
+// so the codes are permuted that way first. out is written up to the next
+// multiple of 64. Not inlined: the callers are compiled without VBMI, which
+// only this function uses (the CPU is checked before it is chosen).
+__attribute__((target("avx512f,avx512bw,avx512vbmi"), noinline)) void dequantize_by_permutes(
+    const uint8_t* codes, int64_t n, const BytePlanes& planes, float scale, float* out) {
+  alignas(64) static constexpr uint8_t kOrder[64] = {
+      0,  1,  2,  3,  16, 17, 18, 19, 32, 33, 34, 35, 48, 49, 50, 51, 4,  5,  6,  7,  20, 21,
+      22, 23, 36, 37, 38, 39, 52, 53, 54, 55, 8,  9,  10, 11, 24, 25, 26, 27, 40, 41, 42, 43,
+      56, 57, 58, 59, 12, 13, 14, 15, 28, 29, 30, 31, 44, 45, 46, 47, 60, 61, 62, 63};
+  const __m512i order = _mm512_load_si512(kOrder);
+  const __m512 factor = _mm512_set1_ps(scale);
+  for (int64_t i = 0; i < n; i += 64) {
+    const __mmask64 lanes = n - i >= 64 ? ~__mmask64{0} : (__mmask64{1} << (n - i)) - 1;
+    const __m512i code = _mm512_permutexvar_epi8(order, _mm512_maskz_loadu_epi8(lanes, codes + i));
+    const __mmask64 upper_half = _mm512_movepi8_mask(code);  // codes 128..255
+    __m512i byte[4];
+    for (int b = 0; b < 4; ++b) {
+      const uint8_t* plane = planes.plane[b];  // four quarters of 64 entries
+      const __m512i lower = _mm512_permutex2var_epi8(_mm512_load_si512(plane), code, _mm512_load_si512(plane + 64));
+      const __m512i upper = _mm512_permutex2var_epi8(_mm512_load_si512(plane + 128), code,
+                                                     _mm512_load_si512(plane + 192));
+      byte[b] = _mm512_mask_blend_epi8(upper_half, lower, upper);
+    }
+    const __m512i low01 = _mm512_unpacklo_epi8(byte[0], byte[1]), high01 = _mm512_unpackhi_epi8(byte[0], byte[1]);
+    const __m512i low23 = _mm512_unpacklo_epi8(byte[2], byte[3]), high23 = _mm512_unpackhi_epi8(byte[2], byte[3]);
+    const __m512i value[4] = {_mm512_unpacklo_epi16(low01, low23), _mm512_unpackhi_epi16(low01, low23),
+                              _mm512_unpacklo_epi16(high01, high23), _mm512_unpackhi_epi16(high01, high23)};
+    for (int q = 0; q < 4; ++q) _mm512_store_ps(out + i + 16 * q, _mm512_mul_ps(_mm512_castsi512_ps(value[q]), factor));
+  }
+}
+
+// Blocks [begin, end) of a leaf with 8-bit moments; `vbmi`: dequantize by
+// permutes rather than gathers.
 template <typename T, typename U, bool kDecoupled, bool kL2, bool kWriteParams>
-OPTAX_HYBRID_AVX512 void step_blocks_avx512(const Leaf& leaf, int64_t begin, int64_t end, const Scalars& s) {
-  alignas(64) float buffers[2][2][kMaxBlock];  // new m and v of the block being stepped and of the one before
+OPTAX_HYBRID_AVX512 void step_blocks_avx512(const Leaf& leaf, int64_t begin, int64_t end, const Scalars& s,
+                                            bool vbmi) {
+  // New m and v of the block being stepped and of the one before (each holds
+  // the dequantized old moments first). Whole 64-value groups are written.
+  alignas(64) float buffers[2][2][kMaxBlock];
   const auto* g = static_cast<const T*>(leaf.g);
   auto* mc = static_cast<uint8_t*>(leaf.m);
   auto* vc = static_cast<uint8_t*>(leaf.v);
@@ -578,7 +671,7 @@ OPTAX_HYBRID_AVX512 void step_blocks_avx512(const Leaf& leaf, int64_t begin, int
   const float* pending_v = nullptr;
   uint8_t* pending_mc = nullptr;
   uint8_t* pending_vc = nullptr;
-  __m512 pending_m_divisor = _mm512_set1_ps(1.0f), pending_v_divisor = _mm512_set1_ps(1.0f);
+  __m512 pending_m_factor = _mm512_set1_ps(1.0f), pending_v_factor = _mm512_set1_ps(1.0f);  // 1 / scale
   // Block j is block b of row `row`, advanced as j is.
   int64_t row = begin / leaf.blocks_per_row, b = begin % leaf.blocks_per_row;
   for (int64_t j = begin; j <= end; ++j) {
@@ -593,20 +686,29 @@ OPTAX_HYBRID_AVX512 void step_blocks_avx512(const Leaf& leaf, int64_t begin, int
     }
     float* m_new = buffers[j & 1][0];
     float* v_new = buffers[j & 1][1];
-    const __m512 m_scale = _mm512_set1_ps(n > 0 ? leaf.m_scales[j] : 0.0f);
-    const __m512 v_scale = _mm512_set1_ps(n > 0 ? leaf.v_scales[j] : 0.0f);
+    if (n > 0 && vbmi) {
+      dequantize_by_permutes(mc + first, n, leaf.tables->signed_planes, leaf.m_scales[j], m_new);
+      dequantize_by_permutes(vc + first, n, leaf.tables->unsigned_planes, leaf.v_scales[j], v_new);
+    } else if (n > 0) {
+      dequantize_by_gathers(mc + first, n, signed_map, leaf.m_scales[j], m_new);
+      dequantize_by_gathers(vc + first, n, unsigned_map, leaf.v_scales[j], v_new);
+    }
     __m512i m_largest = _mm512_setzero_si512(), v_largest = _mm512_setzero_si512();
     // Steps 16 values of block j from value i.
     const auto step16 = [&](int64_t i, __mmask16 lanes) OPTAX_HYBRID_AVX512_ATTRIBUTES {
+      prefetch_ahead(g + first + i);
+      if constexpr (kDecoupled || kL2 || kWriteParams) prefetch_ahead(p + first + i);
+      if ((i & 63) == 0) {
+        prefetch_ahead(mc + first + i);
+        prefetch_ahead(vc + first + i);
+      }
       __m512 gi = load16(g + first + i, lanes);
       __m512 pi = _mm512_setzero_ps();
       if constexpr (kDecoupled || kL2 || kWriteParams) pi = load16(p + first + i, lanes);
       if constexpr (kL2) gi = _mm512_add_ps(gi, _mm512_mul_ps(wd, pi));
-      // Lanes outside `lanes` read code 0, a valid index, and stay out of the largest magnitudes.
-      const __m512i m_code = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(lanes, mc + first + i));
-      const __m512i v_code = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(lanes, vc + first + i));
-      const __m512 m_old = _mm512_mul_ps(_mm512_i32gather_ps(m_code, signed_map, 4), m_scale);
-      const __m512 v_old = _mm512_mul_ps(_mm512_i32gather_ps(v_code, unsigned_map, 4), v_scale);
+      // Lanes outside `lanes` hold map[0] * scale, and stay out of the largest magnitudes.
+      const __m512 m_old = _mm512_load_ps(m_new + i);
+      const __m512 v_old = _mm512_load_ps(v_new + i);
       const __m512 mi = _mm512_add_ps(_mm512_mul_ps(b1, m_old), _mm512_mul_ps(one_minus_b1, gi));
       const __m512 vi = _mm512_add_ps(_mm512_mul_ps(b2, v_old), _mm512_mul_ps(one_minus_b2, _mm512_mul_ps(gi, gi)));
       const __m512 denom = _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(vi), bc2_sqrt), eps);
@@ -622,8 +724,8 @@ OPTAX_HYBRID_AVX512 void step_blocks_avx512(const Leaf& leaf, int64_t begin, int
     };
     // Writes the codes of 16 values of the pending block from value i.
     const auto quantize16 = [&](int64_t i, __mmask16 lanes) OPTAX_HYBRID_AVX512_ATTRIBUTES {
-      const __m512 mq = _mm512_div_ps(_mm512_load_ps(pending_m + i), pending_m_divisor);
-      const __m512 vq = _mm512_div_ps(_mm512_load_ps(pending_v + i), pending_v_divisor);
+      const __m512 mq = _mm512_mul_ps(_mm512_load_ps(pending_m + i), pending_m_factor);
+      const __m512 vq = _mm512_mul_ps(_mm512_load_ps(pending_v + i), pending_v_factor);
       _mm512_mask_cvtepi32_storeu_epi8(pending_mc + i, lanes, m_table.codes(mq));
       _mm512_mask_cvtepi32_storeu_epi8(pending_vc + i, lanes, v_table.codes(vq));
     };
@@ -642,15 +744,15 @@ OPTAX_HYBRID_AVX512 void step_blocks_avx512(const Leaf& leaf, int64_t begin, int
       const uint32_t m_top = _mm512_reduce_max_epu32(m_largest), v_top = _mm512_reduce_max_epu32(v_largest);
       leaf.m_scales[j] = float_of(m_top);
       leaf.v_scales[j] = float_of(v_top);
-      if (tables && m_top < 0x7f800000u && v_top < 0x7f800000u) {
+      if (tables && by_reciprocal(m_top) && by_reciprocal(v_top)) {
         pending_n = n;
         pending_m = m_new;
         pending_v = v_new;
         pending_mc = mc + first;
         pending_vc = vc + first;
-        pending_m_divisor = _mm512_set1_ps(m_top == 0 ? 1.0f : float_of(m_top));
-        pending_v_divisor = _mm512_set1_ps(v_top == 0 ? 1.0f : float_of(v_top));
-      } else {  // an infinite or NaN scale: the binary search, which gives NaN code 0
+        pending_m_factor = _mm512_set1_ps(reciprocal_of_scale(m_top));
+        pending_v_factor = _mm512_set1_ps(reciprocal_of_scale(v_top));
+      } else {  // huge, infinite or NaN scales: the scalar loops (NaN takes code 0 there)
         quantize_block(m_new, n, mc + first, m_search, m_top);
         quantize_block(v_new, n, vc + first, v_search, v_top);
       }
@@ -658,21 +760,32 @@ OPTAX_HYBRID_AVX512 void step_blocks_avx512(const Leaf& leaf, int64_t begin, int
   }
 }
 
+#define OPTAX_HYBRID_AND_VBMI , vbmi  // the EXTRA argument of the two macros above
 template <typename T, typename U, bool kWriteParams>
 OPTAX_HYBRID_AVX512 void run_quantized_leaf_typed_avx512(const Leaf& leaf, int64_t begin, int64_t end,
-                                                         const Scalars& s, bool adamw) {
-  OPTAX_HYBRID_QUANTIZED_RULE(step_blocks_avx512)
+                                                         const Scalars& s, bool adamw, bool vbmi) {
+  OPTAX_HYBRID_QUANTIZED_RULE(step_blocks_avx512, OPTAX_HYBRID_AND_VBMI)
 }
 
-// The AVX-512 copy's per-chunk body: run_leaf, but its own loops for 8-bit moments.
+// The AVX-512 copies' per-chunk body: run_leaf, but its own loops for 8-bit moments.
 template <bool kWriteParams>
 OPTAX_HYBRID_AVX512 bool run_leaf_avx512(const Leaf& leaf, int64_t begin, int64_t end, const Scalars& s,
-                                         bool adamw) {
+                                         bool adamw, bool vbmi) {
   if (leaf.s == Kind::kU8) {
-    OPTAX_HYBRID_QUANTIZED_DTYPES(run_quantized_leaf_typed_avx512)
+    OPTAX_HYBRID_QUANTIZED_DTYPES(run_quantized_leaf_typed_avx512, OPTAX_HYBRID_AND_VBMI)
     return false;
   }
   return run_leaf<kWriteParams>(leaf, begin, end, s, adamw);
+}
+template <bool kWriteParams>
+OPTAX_HYBRID_AVX512 bool run_leaf_avx512_gathers(const Leaf& leaf, int64_t begin, int64_t end, const Scalars& s,
+                                                 bool adamw) {
+  return run_leaf_avx512<kWriteParams>(leaf, begin, end, s, adamw, false);
+}
+template <bool kWriteParams>
+OPTAX_HYBRID_AVX512 bool run_leaf_avx512_permutes(const Leaf& leaf, int64_t begin, int64_t end, const Scalars& s,
+                                                  bool adamw) {
+  return run_leaf_avx512<kWriteParams>(leaf, begin, end, s, adamw, true);
 }
 #endif
 
@@ -680,7 +793,8 @@ OPTAX_HYBRID_AVX512 bool run_leaf_avx512(const Leaf& leaf, int64_t begin, int64_
 // Instruction sets. The chunk body is compiled once per instruction set, each
 // copy a function with its own `target` attribute, and one copy is chosen when
 // the library loads: the widest this CPU runs, or the one named by the
-// environment variable OPTAX_HYBRID_NATIVE_ISA (auto, avx512, avx2, baseline).
+// environment variable OPTAX_HYBRID_NATIVE_ISA (auto, avx512vbmi, avx512, avx2,
+// baseline).
 // The rest of the library is built for the architecture's baseline (setup.py
 // passes no -march), so a wheel built on one machine runs on any other.
 
@@ -706,7 +820,12 @@ struct IsaVariant {
 // F16C (float16 conversions) and FMA come with every AVX2 and AVX-512 CPU;
 // they are listed so that the compiler may use them.
 OPTAX_HYBRID_CHUNK_FOR_ISA(run_chunk_avx2, run_leaf, __attribute__((target("avx2,fma,f16c"))))
-OPTAX_HYBRID_CHUNK_FOR_ISA(run_chunk_avx512, run_leaf_avx512,
+OPTAX_HYBRID_CHUNK_FOR_ISA(run_chunk_avx512, run_leaf_avx512_gathers,
+                           __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c"))))
+// The same loops; 8-bit moments dequantized by byte permutes (VBMI: Ice Lake,
+// Zen 4 and later) instead of gathers, which cost more and whose speed varies
+// with what else the core runs.
+OPTAX_HYBRID_CHUNK_FOR_ISA(run_chunk_avx512vbmi, run_leaf_avx512_permutes,
                            __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c"))))
 
 // CPUID leaf 1 directly: __builtin_cpu_supports("f16c") is not in every compiler (Clang 14 lacks it).
@@ -721,12 +840,14 @@ bool cpu_runs_avx512() {
   return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") && cpu_runs_avx2();
 }
+bool cpu_runs_avx512vbmi() { return cpu_runs_avx512() && __builtin_cpu_supports("avx512vbmi"); }
 #endif
 bool cpu_runs_baseline() { return true; }
 
 // Widest first: "auto" takes the first one the CPU runs.
 constexpr IsaVariant kIsaVariants[] = {
 #if defined(__x86_64__) || defined(__i386__)
+    {"avx512vbmi", run_chunk_avx512vbmi, cpu_runs_avx512vbmi},
     {"avx512", run_chunk_avx512, cpu_runs_avx512},
     {"avx2", run_chunk_avx2, cpu_runs_avx2},
 #endif
@@ -737,7 +858,7 @@ constexpr char kIsaVariable[] = "OPTAX_HYBRID_NATIVE_ISA";
 
 struct IsaChoice {
   const IsaVariant* variant = nullptr;  // nullptr: the variable names no variant this CPU runs
-  char cpu_runs[64] = "";               // the variants this CPU runs, widest first, space-separated
+  char cpu_runs[96] = "";               // the variants this CPU runs, widest first, space-separated
   char problem[512] = "";
 };
 
@@ -746,7 +867,7 @@ IsaChoice choose_isa() {
   __builtin_cpu_init();  // this may run before libgcc's own initializer
 #endif
   IsaChoice choice;
-  char names[64] = "";  // every variant of this build, for the message
+  char names[96] = "";  // every variant of this build, for the message
   for (const IsaVariant& v : kIsaVariants) {
     std::snprintf(names + std::strlen(names), sizeof names - std::strlen(names), "%s%s", *names ? ", " : "",
                   v.name);
@@ -845,7 +966,8 @@ ffi::Error AdamWImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> scalars, ffi::B
       return ffi::Error::InvalidArgument("optax_hybrid adamw: block size out of range");
     }
     const float* t = code_tables.typed_data();
-    tables = QuantTables{t, t + kCodes, &search_for(t + 2 * kCodes), &search_for(t + 3 * kCodes)};
+    tables = QuantTables{t, t + kCodes, &search_for(t + 2 * kCodes), &search_for(t + 3 * kCodes), byte_planes(t),
+                         byte_planes(t + kCodes)};
   }
 
   // A result updated in place: copied in first when XLA did not alias it.

@@ -6,9 +6,11 @@ never at first use. If it could not be built, :func:`available` is False,
 path with a one-line warning.
 
 The library is built without ``-march``, so one wheel runs on any CPU of its
-architecture; its work loop is compiled once per instruction set (``avx512``,
-``avx2`` and ``baseline`` on x86-64, ``baseline`` elsewhere), and the library
-picks the widest one the CPU runs when it loads. :func:`isa` says which. The
+architecture; its work loop is compiled once per instruction set
+(``avx512vbmi``, ``avx512``, ``avx2`` and ``baseline`` on x86-64, ``baseline``
+elsewhere; ``avx512vbmi`` is ``avx512`` with 8-bit moments decoded by byte
+permutes instead of gathers), and the library picks the widest one the CPU
+runs when it loads. :func:`isa` says which. The
 environment variable ``OPTAX_HYBRID_NATIVE_ISA`` (``auto``, or one of those
 names), read when the library loads, forces one; a name the build does not
 have, or one the CPU cannot run, leaves the kernel unavailable and
@@ -110,7 +112,7 @@ def why_unavailable() -> str | None:
 
 
 def isa() -> str | None:
-  """The instruction set the kernel's work loop runs: ``"avx512"``, ``"avx2"`` or ``"baseline"``.
+  """The instruction set the kernel's work loop runs: ``"avx512vbmi"``, ``"avx512"``, ``"avx2"`` or ``"baseline"``.
 
   Chosen when the library loads: the widest one this CPU runs, unless
   ``OPTAX_HYBRID_NATIVE_ISA`` names one. None when the kernel is unavailable
@@ -118,7 +120,7 @@ def isa() -> str | None:
 
   Example::
 
-    native_cpu.isa()  # 'avx512' on a CPU with AVX-512
+    native_cpu.isa()  # 'avx512vbmi' on a CPU with AVX-512 VBMI (Ice Lake, Zen 4 and later)
   """
   return _state["isa"] if _load() else None
 

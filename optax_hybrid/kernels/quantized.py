@@ -9,9 +9,11 @@ A quantized moment of a leaf with shape ``(..., L)`` is stored as
   block of a row may be shorter).
 
 A value is ``code_map[code] * scale``. Quantizing a block sets its scale to the
-block's largest magnitude and each code to the map entry nearest to
-``x / scale`` (ties to the lower entry); an all-zero block has scale 0 and
-decodes to zeros. The first moment uses :data:`SIGNED_MAP`, the second
+block's largest magnitude and each code to the map entry nearest to the
+normalized value ``x / scale`` (ties to the lower entry); an all-zero block
+has scale 0 and decodes to zeros. The normalized value is computed as
+``x * (1 / scale)``, one division per block as bitsandbytes does
+(:func:`normalize`). The first moment uses :data:`SIGNED_MAP`, the second
 :data:`UNSIGNED_MAP`: the *dynamic* maps of Dettmers et al. (2021), "8-bit
 Optimizers via Block-wise Quantization", which spend their codes on every
 decade from 1 down to 1e-6 (signed) or 1e-7 (unsigned) instead of on a linear
@@ -215,12 +217,36 @@ def dequantize(q: QuantizedMoment, *, signed: bool) -> jax.Array:
   return _from_blocks(_as_blocks(decode(q.codes, signed=signed)) * q.scales[..., None], last)
 
 
+# Scales above this have a subnormal reciprocal, which XLA and the native
+# kernel flush to zero: normalize shrinks such a block by SHRINK_HUGE first.
+LARGEST_RECIPROCAL_SCALE = np.float32(2.0**126)
+SHRINK_HUGE = np.float32(2.0**-64)
+SMALLEST_NORMAL = np.finfo(np.float32).tiny
+
+
+def normalize(blocks: jax.Array, scales: jax.Array) -> jax.Array:
+  """``blocks / scales[..., None]`` as every kernel computes it: ``blocks * (1 / scale)``.
+
+  A multiplication per value and one division per block (a division per value
+  costs the CPU kernel more than the rest of its quantization). A block whose
+  scale exceeds ``2**126`` is multiplied by ``2**-64`` first, values and scale
+  alike (exactly: a power of two), so that the reciprocal stays normal; a
+  block whose scale is zero or subnormal (values that float32 arithmetic
+  flushes to zero) takes 1 for its scale. The result is within an ulp or two of the
+  exact quotient and at most ``1 + 2**-23`` in magnitude, which :func:`encode`
+  maps to the end codes.
+  """
+  one = _full_like(scales, 1.0)
+  shrink = jnp.where(scales > LARGEST_RECIPROCAL_SCALE, _full_like(scales, SHRINK_HUGE), one)
+  safe = jnp.where(scales < SMALLEST_NORMAL, one, scales)
+  return (blocks * shrink[..., None]) * (1.0 / (safe * shrink))[..., None]
+
+
 def quantize(x: jax.Array, *, signed: bool) -> QuantizedMoment:
   """Quantizes float32 ``x`` (shape ``(..., L)``) block by block: scale = the block's largest magnitude."""
   blocks = _as_blocks(x.astype(jnp.float32))
   scales = jnp.max(jnp.abs(blocks), axis=-1)
-  safe = scales + (scales == 0).astype(jnp.float32)  # an all-zero block divides by 1
-  codes = encode(blocks / safe[..., None], signed=signed)
+  codes = encode(normalize(blocks, scales), signed=signed)
   return QuantizedMoment(_from_blocks(codes, x.shape[-1]), scales)
 
 
