@@ -92,6 +92,30 @@ struct Scalars {
   bool step_ok;
 };
 
+// What every value's step needs from the scalars, computed once per range.
+struct StepConstants {
+  float b1, one_minus_b1, b2, one_minus_b2, bc2_sqrt, eps, step, wd, lr_wd;
+  OPTAX_HYBRID_BODY explicit StepConstants(const Scalars& s)
+      : b1(s.b1), one_minus_b1(1.0f - s.b1), b2(s.b2), one_minus_b2(1.0f - s.b2), bc2_sqrt(s.bc2_sqrt),
+        eps(s.eps), step(-(s.lr / s.bc1)), wd(s.wd), lr_wd(s.lr * s.wd) {}
+};
+
+// One value's step from its old moments: the new moments and the first
+// result (the update, or the new param when kWriteParams).
+struct ValueStep {
+  float m, v, first;
+};
+template <bool kDecoupled, bool kL2, bool kWriteParams>
+OPTAX_HYBRID_BODY ValueStep step_value(float g, float p, float m_old, float v_old, const StepConstants& c) {
+  if constexpr (kL2) g = g + c.wd * p;
+  const float m = c.b1 * m_old + c.one_minus_b1 * g;
+  const float v = c.b2 * v_old + c.one_minus_b2 * (g * g);
+  const float denom = std::sqrt(v) / c.bc2_sqrt + c.eps;
+  float u = c.step * (m / denom);
+  if constexpr (kDecoupled) u = u - c.lr_wd * p;
+  return ValueStep{m, v, kWriteParams ? p + u : u};
+}
+
 // ---------------------------------------------------------------------------
 // One contiguous range of one leaf. T: gradient/param storage, S: moment storage,
 // U: storage of the first output (update, or new param when kWriteParams).
@@ -99,30 +123,14 @@ struct Scalars {
 template <typename T, typename S, typename U, bool kDecoupled, bool kL2, bool kWriteParams>
 OPTAX_HYBRID_BODY void step_range(const T* __restrict g, S* __restrict m, S* __restrict v, const T* __restrict p,
                 U* __restrict out, int64_t begin, int64_t end, const Scalars& s) {
-  const float b1 = s.b1, one_minus_b1 = 1.0f - s.b1;
-  const float b2 = s.b2, one_minus_b2 = 1.0f - s.b2;
-  const float bc2_sqrt = s.bc2_sqrt;
-  const float eps = s.eps;
-  const float step = -(s.lr / s.bc1);
-  const float wd = s.wd;
-  const float lr_wd = s.lr * s.wd;
+  const StepConstants c(s);
   for (int64_t i = begin; i < end; ++i) {
-    float gi = to_f32(g[i]);
     float pi = 0.0f;
     if constexpr (kDecoupled || kL2 || kWriteParams) pi = to_f32(p[i]);
-    if constexpr (kL2) gi = gi + wd * pi;
-    const float mi = b1 * to_f32(m[i]) + one_minus_b1 * gi;
-    const float vi = b2 * to_f32(v[i]) + one_minus_b2 * (gi * gi);
-    const float denom = std::sqrt(vi) / bc2_sqrt + eps;
-    float ui = step * (mi / denom);
-    if constexpr (kDecoupled) ui = ui - lr_wd * pi;
-    m[i] = from_f32<S>(mi);
-    v[i] = from_f32<S>(vi);
-    if constexpr (kWriteParams) {
-      out[i] = from_f32<U>(pi + ui);
-    } else {
-      out[i] = from_f32<U>(ui);
-    }
+    const ValueStep r = step_value<kDecoupled, kL2, kWriteParams>(to_f32(g[i]), pi, to_f32(m[i]), to_f32(v[i]), c);
+    m[i] = from_f32<S>(r.m);
+    v[i] = from_f32<S>(r.v);
+    out[i] = from_f32<U>(r.first);
   }
 }
 
@@ -340,30 +348,15 @@ OPTAX_HYBRID_BODY void step_block(const T* __restrict g, const T* __restrict p, 
   const float* __restrict signed_map = q.signed_map;
   const float* __restrict unsigned_map = q.unsigned_map;
   const float ms = *m_scale, vs = *v_scale;
-  const float b1 = s.b1, one_minus_b1 = 1.0f - s.b1;
-  const float b2 = s.b2, one_minus_b2 = 1.0f - s.b2;
-  const float bc2_sqrt = s.bc2_sqrt;
-  const float eps = s.eps;
-  const float step = -(s.lr / s.bc1);
-  const float wd = s.wd;
-  const float lr_wd = s.lr * s.wd;
+  const StepConstants c(s);
   for (int64_t i = 0; i < n; ++i) {
-    float gi = to_f32(g[i]);
     float pi = 0.0f;
     if constexpr (kDecoupled || kL2 || kWriteParams) pi = to_f32(p[i]);
-    if constexpr (kL2) gi = gi + wd * pi;
-    const float mi = b1 * (signed_map[mc[i]] * ms) + one_minus_b1 * gi;
-    const float vi = b2 * (unsigned_map[vc[i]] * vs) + one_minus_b2 * (gi * gi);
-    const float denom = std::sqrt(vi) / bc2_sqrt + eps;
-    float ui = step * (mi / denom);
-    if constexpr (kDecoupled) ui = ui - lr_wd * pi;
-    m_new[i] = mi;
-    v_new[i] = vi;
-    if constexpr (kWriteParams) {
-      out[i] = from_f32<U>(pi + ui);
-    } else {
-      out[i] = from_f32<U>(ui);
-    }
+    const ValueStep r = step_value<kDecoupled, kL2, kWriteParams>(to_f32(g[i]), pi, signed_map[mc[i]] * ms,
+                                                                  unsigned_map[vc[i]] * vs, c);
+    m_new[i] = r.m;
+    v_new[i] = r.v;
+    out[i] = from_f32<U>(r.first);
   }
   *m_scale = quantize_block(m_new, n, mc, *q.signed_search, largest_magnitude_bits(m_new, n));
   *v_scale = quantize_block(v_new, n, vc, *q.unsigned_search, largest_magnitude_bits(v_new, n));
@@ -659,11 +652,13 @@ OPTAX_HYBRID_AVX512 void step_blocks_avx512(const Leaf& leaf, int64_t begin, int
   const CodeSearch& v_search = *leaf.tables->unsigned_search;
   const bool tables = m_search.shift != 0 && v_search.shift != 0;
   const CodeTable16 m_table(m_search), v_table(v_search);
-  const __m512 b1 = _mm512_set1_ps(s.b1), one_minus_b1 = _mm512_set1_ps(1.0f - s.b1);
-  const __m512 b2 = _mm512_set1_ps(s.b2), one_minus_b2 = _mm512_set1_ps(1.0f - s.b2);
-  const __m512 bc2_sqrt = _mm512_set1_ps(s.bc2_sqrt), eps = _mm512_set1_ps(s.eps);
-  const __m512 step = _mm512_set1_ps(-(s.lr / s.bc1)), wd = _mm512_set1_ps(s.wd);
-  const __m512 lr_wd = _mm512_set1_ps(s.lr * s.wd);
+  // step_value on 16 values (step16, below).
+  const StepConstants c(s);
+  const __m512 b1 = _mm512_set1_ps(c.b1), one_minus_b1 = _mm512_set1_ps(c.one_minus_b1);
+  const __m512 b2 = _mm512_set1_ps(c.b2), one_minus_b2 = _mm512_set1_ps(c.one_minus_b2);
+  const __m512 bc2_sqrt = _mm512_set1_ps(c.bc2_sqrt), eps = _mm512_set1_ps(c.eps);
+  const __m512 step = _mm512_set1_ps(c.step), wd = _mm512_set1_ps(c.wd);
+  const __m512 lr_wd = _mm512_set1_ps(c.lr_wd);
   const __m512i magnitude = _mm512_set1_epi32(0x7fffffff);
   // The block before, whose codes are still to be written (pending_n == 0: none).
   int64_t pending_n = 0;
