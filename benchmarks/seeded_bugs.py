@@ -59,7 +59,7 @@ BUGS = {
         ["tests/test_schedules.py"]),
     "eps_inside_sqrt_native": (
         "eps inside the square root in the C++ kernel", "optax_hybrid/kernels/native_cpu.cc",
-        [("const float denom = std::sqrt(vi) / bc2_sqrt + eps;", "const float denom = std::sqrt(vi + eps) / bc2_sqrt;")],
+        [("const float denom = std::sqrt(v) / c.bc2_sqrt + c.eps;", "const float denom = std::sqrt(v + c.eps) / c.bc2_sqrt;")],
         ["tests/test_kernels.py"]),
     "offload_fraction_moments_on_device": (
         "offload_fraction leaves on the host tier with their moments in device memory", "optax_hybrid/tiers.py",
