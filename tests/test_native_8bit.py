@@ -263,6 +263,25 @@ def test_native_8bit_decodes_by_byte_permutes_exactly_as_by_gathers(tmp_path):
 
 
 @needs_native
+@pytest.mark.skipif("avx2" not in native_cpu.isas_this_cpu_runs() or native_cpu.isa() == "avx2",
+                    reason="needs a CPU that runs AVX2 and a process that runs another copy")
+def test_native_8bit_in_the_avx2_copy_follows_the_reference_and_the_float64_model():
+  # The AVX2 copy has 8-bit loops of its own (8 lanes; a block's last n % 8
+  # values go value by value). This file's rule tests, in a process that runs it.
+  env = dict(os.environ, JAX_PLATFORMS="cpu", OPTAX_HYBRID_NATIVE_ISA="avx2",
+             PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests")]
+                                        + [q for q in [os.environ.get("PYTHONPATH")] if q]))
+  tests = ("equals_reference or against_float64_model or every_threshold or zero_blocks or above_2_126 "
+           "or non_finite or skipped_step")
+  result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider", __file__,
+                           "-k", tests], env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
+  assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+  assert " passed" in result.stdout and " failed" not in result.stdout
+  passed = int(result.stdout.strip().splitlines()[-1].split(" passed")[0].split()[-1])
+  assert passed >= 15, result.stdout[-1000:]
+
+
+@needs_native
 def test_native_8bit_codes_on_and_beside_every_threshold():
   # b1 = b2 = 0: the new moments are g and g * g exactly, and a 1.0 in each
   # block makes the scale 1, so each code is that of g (of g * g) itself: the

@@ -578,12 +578,13 @@ struct CodeTable16 {
   }
 };
 
-// The hardware prefetchers alone leave this compute-heavy loop waiting on
-// memory for large leaves; a prefetch kPrefetchValues values ahead (four blocks)
-// keeps its streams (grad, param, both codes) in L1. Past the end it is a no-op.
+// The hardware prefetchers alone leave the compute-heavy 8-bit loops (AVX-512
+// and AVX2) waiting on memory for large leaves; a prefetch kPrefetchValues
+// values ahead (four blocks) keeps their streams (grad, param, both codes) in
+// L1. Past the end it is a no-op.
 constexpr int64_t kPrefetchValues = 1024;
 template <typename X>
-OPTAX_HYBRID_AVX512 void prefetch_ahead(const X* x) {
+OPTAX_HYBRID_BODY void prefetch_ahead(const X* x) {  // SSE: every x86-64 copy may inline it
   _mm_prefetch(reinterpret_cast<const char*>(x + kPrefetchValues), _MM_HINT_T0);
 }
 
@@ -782,6 +783,175 @@ OPTAX_HYBRID_AVX512 bool run_leaf_avx512_permutes(const Leaf& leaf, int64_t begi
                                                   bool adamw) {
   return run_leaf_avx512<kWriteParams>(leaf, begin, end, s, adamw, true);
 }
+
+// The 8-bit loops with AVX2 (8 lanes, gathers for both lookups), for the AVX2
+// copy: like the AVX-512 ones, minus the lane masks (a block's last n % 8
+// values take the portable per-value code) and the overlap of one block's
+// codes with the next block's step.
+#define OPTAX_HYBRID_AVX2_ATTRIBUTES __attribute__((target("avx2,fma,f16c"), always_inline))
+#define OPTAX_HYBRID_AVX2 inline OPTAX_HYBRID_AVX2_ATTRIBUTES
+
+OPTAX_HYBRID_AVX2 __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+OPTAX_HYBRID_AVX2 __m256 load8(const BF16* p) {
+  return _mm256_castsi256_ps(
+      _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+}
+OPTAX_HYBRID_AVX2 __m256 load8(const F16* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+OPTAX_HYBRID_AVX2 void store8(float* p, __m256 x) { _mm256_storeu_ps(p, x); }
+OPTAX_HYBRID_AVX2 void store8(BF16* p, __m256 x) {  // as from_f32<BF16>: nearest even, NaN kept quiet
+  const __m256i u = _mm256_castps_si256(x);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  const __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), odd)), 16);
+  const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff)), _mm256_set1_epi32(0x7f800000));
+  const __m256i quiet = _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40));
+  const __m256i halves = _mm256_blendv_epi8(rounded, quiet, nan);  // 16-bit values in 32-bit lanes
+  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(halves, halves), 0x08);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
+}
+OPTAX_HYBRID_AVX2 void store8(F16* p, __m256 x) {
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+
+// The low bytes of 8 lanes, stored as 8 consecutive bytes.
+OPTAX_HYBRID_AVX2 void store_low_bytes8(uint8_t* p, __m256i x) {
+  const __m256i gathered = _mm256_shuffle_epi8(
+      x, _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, 0, 4, 8, 12, -1, -1, -1, -1,
+                          -1, -1, -1, -1, -1, -1, -1, -1));
+  const __m128i bytes = _mm_unpacklo_epi32(_mm256_castsi256_si128(gathered), _mm256_extracti128_si256(gathered, 1));
+  _mm_storel_epi64(reinterpret_cast<__m128i*>(p), bytes);
+}
+
+OPTAX_HYBRID_AVX2 uint32_t largest_lane(__m256i x) {
+  __m128i m = _mm_max_epu32(_mm256_castsi256_si128(x), _mm256_extracti128_si256(x, 1));
+  m = _mm_max_epu32(m, _mm_shuffle_epi32(m, 0x4e));
+  m = _mm_max_epu32(m, _mm_shuffle_epi32(m, 0xb1));
+  return static_cast<uint32_t>(_mm_cvtsi128_si32(m));
+}
+
+// CodeSearch's table on 8 values at a time (CodeTable16 with AVX2).
+struct CodeTable8 {
+  const int32_t* at_zero;
+  __m128i shift;
+  __m256i position_bits;
+
+  OPTAX_HYBRID_AVX2 explicit CodeTable8(const CodeSearch& cs)
+      : at_zero(cs.at_zero),
+        shift(_mm_cvtsi32_si128(static_cast<int>(cs.shift))),
+        position_bits(_mm256_set1_epi32(static_cast<int>(((1u << cs.shift) - 1) << 8))) {}
+
+  OPTAX_HYBRID_AVX2 __m256i codes(__m256 q) const {
+    const __m256i u = _mm256_castps_si256(q);
+    const __m256i entry = _mm256_i32gather_epi32(at_zero, _mm256_sra_epi32(u, shift), 4);
+    const __m256i position = _mm256_and_si256(_mm256_xor_si256(_mm256_slli_epi32(u, 8), _mm256_srai_epi32(u, 31)),
+                                              position_bits);
+    // Unsigned position > entry, as a signed comparison of both with the top bit flipped.
+    const __m256i top = _mm256_set1_epi32(static_cast<int>(0x80000000u));
+    const __m256i above = _mm256_cmpgt_epi32(_mm256_xor_si256(position, top), _mm256_xor_si256(entry, top));
+    return _mm256_sub_epi32(entry, above);  // below + 1 where above (its lanes hold -1)
+  }
+};
+
+template <typename T, typename U, bool kDecoupled, bool kL2, bool kWriteParams>
+OPTAX_HYBRID_AVX2 void step_blocks_avx2(const Leaf& leaf, int64_t begin, int64_t end, const Scalars& s) {
+  alignas(32) float m_new[kMaxBlock];
+  alignas(32) float v_new[kMaxBlock];
+  const auto* g = static_cast<const T*>(leaf.g);
+  auto* mc = static_cast<uint8_t*>(leaf.m);
+  auto* vc = static_cast<uint8_t*>(leaf.v);
+  const auto* p = static_cast<const T*>(leaf.p);
+  auto* out = static_cast<U*>(leaf.out);
+  const QuantTables& q = *leaf.tables;
+  const bool tables = q.signed_search->shift != 0 && q.unsigned_search->shift != 0;
+  const CodeTable8 m_table(*q.signed_search), v_table(*q.unsigned_search);
+  const StepConstants c(s);
+  const __m256 b1 = _mm256_set1_ps(c.b1), one_minus_b1 = _mm256_set1_ps(c.one_minus_b1);
+  const __m256 b2 = _mm256_set1_ps(c.b2), one_minus_b2 = _mm256_set1_ps(c.one_minus_b2);
+  const __m256 bc2_sqrt = _mm256_set1_ps(c.bc2_sqrt), eps = _mm256_set1_ps(c.eps);
+  const __m256 step = _mm256_set1_ps(c.step), wd = _mm256_set1_ps(c.wd), lr_wd = _mm256_set1_ps(c.lr_wd);
+  const __m256i magnitude = _mm256_set1_epi32(0x7fffffff);
+  for (int64_t j = begin; j < end; ++j) {
+    const BlockAt at = block_at(leaf, j);
+    const int64_t first = at.first_value, n = at.n, full = n & ~int64_t{7};
+    const __m256 m_scale = _mm256_set1_ps(leaf.m_scales[j]), v_scale = _mm256_set1_ps(leaf.v_scales[j]);
+    __m256i m_largest = _mm256_setzero_si256(), v_largest = _mm256_setzero_si256();
+    for (int64_t i = 0; i < full; i += 8) {
+      if ((i & 15) == 0) {
+        prefetch_ahead(g + first + i);
+        if constexpr (kDecoupled || kL2 || kWriteParams) prefetch_ahead(p + first + i);
+      }
+      if ((i & 63) == 0) {
+        prefetch_ahead(mc + first + i);
+        prefetch_ahead(vc + first + i);
+      }
+      __m256 gi = load8(g + first + i);
+      __m256 pi = _mm256_setzero_ps();
+      if constexpr (kDecoupled || kL2 || kWriteParams) pi = load8(p + first + i);
+      if constexpr (kL2) gi = _mm256_add_ps(gi, _mm256_mul_ps(wd, pi));
+      const __m256i m_code = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(mc + first + i)));
+      const __m256i v_code = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(vc + first + i)));
+      const __m256 m_old = _mm256_mul_ps(_mm256_i32gather_ps(q.signed_map, m_code, 4), m_scale);
+      const __m256 v_old = _mm256_mul_ps(_mm256_i32gather_ps(q.unsigned_map, v_code, 4), v_scale);
+      const __m256 mi = _mm256_add_ps(_mm256_mul_ps(b1, m_old), _mm256_mul_ps(one_minus_b1, gi));
+      const __m256 vi = _mm256_add_ps(_mm256_mul_ps(b2, v_old), _mm256_mul_ps(one_minus_b2, _mm256_mul_ps(gi, gi)));
+      const __m256 denom = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(vi), bc2_sqrt), eps);
+      __m256 ui = _mm256_mul_ps(step, _mm256_div_ps(mi, denom));
+      if constexpr (kDecoupled) ui = _mm256_sub_ps(ui, _mm256_mul_ps(lr_wd, pi));
+      _mm256_store_ps(m_new + i, mi);
+      _mm256_store_ps(v_new + i, vi);
+      m_largest = _mm256_max_epu32(m_largest, _mm256_and_si256(_mm256_castps_si256(mi), magnitude));
+      v_largest = _mm256_max_epu32(v_largest, _mm256_and_si256(_mm256_castps_si256(vi), magnitude));
+      store8(out + first + i, kWriteParams ? _mm256_add_ps(pi, ui) : ui);
+    }
+    uint32_t m_top = largest_lane(m_largest), v_top = largest_lane(v_largest);
+    for (int64_t i = full; i < n; ++i) {  // the block's last n % 8 values
+      float pi = 0.0f;
+      if constexpr (kDecoupled || kL2 || kWriteParams) pi = to_f32(p[first + i]);
+      const ValueStep r = step_value<kDecoupled, kL2, kWriteParams>(
+          to_f32(g[first + i]), pi, q.signed_map[mc[first + i]] * leaf.m_scales[j],
+          q.unsigned_map[vc[first + i]] * leaf.v_scales[j], c);
+      m_new[i] = r.m;
+      v_new[i] = r.v;
+      m_top = std::max(m_top, bits_of(r.m) & 0x7fffffffu);
+      v_top = std::max(v_top, bits_of(r.v) & 0x7fffffffu);
+      out[first + i] = from_f32<U>(r.first);
+    }
+    leaf.m_scales[j] = float_of(m_top);
+    leaf.v_scales[j] = float_of(v_top);
+    if (tables && by_reciprocal(m_top) && by_reciprocal(v_top)) {
+      const float m_factor = reciprocal_of_scale(m_top), v_factor = reciprocal_of_scale(v_top);
+      const __m256 m_factor8 = _mm256_set1_ps(m_factor), v_factor8 = _mm256_set1_ps(v_factor);
+      for (int64_t i = 0; i < full; i += 8) {
+        store_low_bytes8(mc + first + i, m_table.codes(_mm256_mul_ps(_mm256_load_ps(m_new + i), m_factor8)));
+        store_low_bytes8(vc + first + i, v_table.codes(_mm256_mul_ps(_mm256_load_ps(v_new + i), v_factor8)));
+      }
+      for (int64_t i = full; i < n; ++i) {
+        mc[first + i] = static_cast<uint8_t>(code_by_table(q.signed_search->at_zero, q.signed_search->shift, m_new[i] * m_factor));
+        vc[first + i] = static_cast<uint8_t>(code_by_table(q.unsigned_search->at_zero, q.unsigned_search->shift, v_new[i] * v_factor));
+      }
+    } else {  // huge, infinite or NaN scales, or no table: the scalar loops
+      quantize_block(m_new, n, mc + first, *q.signed_search, m_top);
+      quantize_block(v_new, n, vc + first, *q.unsigned_search, v_top);
+    }
+  }
+}
+
+template <typename T, typename U, bool kWriteParams>
+OPTAX_HYBRID_AVX2 void run_quantized_leaf_typed_avx2(const Leaf& leaf, int64_t begin, int64_t end, const Scalars& s,
+                                                     bool adamw) {
+  OPTAX_HYBRID_QUANTIZED_RULE(step_blocks_avx2, )
+}
+
+// The AVX2 copy's per-chunk body: run_leaf, but its own loops for 8-bit moments.
+template <bool kWriteParams>
+OPTAX_HYBRID_AVX2 bool run_leaf_avx2(const Leaf& leaf, int64_t begin, int64_t end, const Scalars& s, bool adamw) {
+  if (leaf.s == Kind::kU8) {
+    OPTAX_HYBRID_QUANTIZED_DTYPES(run_quantized_leaf_typed_avx2, )
+    return false;
+  }
+  return run_leaf<kWriteParams>(leaf, begin, end, s, adamw);
+}
 #endif
 
 // ---------------------------------------------------------------------------
@@ -814,7 +984,7 @@ struct IsaVariant {
 #if defined(__x86_64__) || defined(__i386__)
 // F16C (float16 conversions) and FMA come with every AVX2 and AVX-512 CPU;
 // they are listed so that the compiler may use them.
-OPTAX_HYBRID_CHUNK_FOR_ISA(run_chunk_avx2, run_leaf, __attribute__((target("avx2,fma,f16c"))))
+OPTAX_HYBRID_CHUNK_FOR_ISA(run_chunk_avx2, run_leaf_avx2, __attribute__((target("avx2,fma,f16c"))))
 OPTAX_HYBRID_CHUNK_FOR_ISA(run_chunk_avx512, run_leaf_avx512_gathers,
                            __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c"))))
 // The same loops; 8-bit moments dequantized by byte permutes (VBMI: Ice Lake,
