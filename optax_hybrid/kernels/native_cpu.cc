@@ -10,7 +10,8 @@
 // split into chunks spread over XLA's intra-op thread pool.
 //
 // Each chunk runs through one function, compiled once per instruction set
-// (AVX-512, AVX2, baseline) from one body; the library picks one when it loads
+// (AVX-512 with and without VBMI, AVX2, baseline) from one body, the 8-bit
+// loops written per vector width; the library picks one when it loads
 // (see "Instruction sets" below), so the same binary runs on any CPU of its
 // architecture and uses the widest vectors the CPU has.
 //
@@ -480,8 +481,8 @@ OPTAX_HYBRID_BODY void run_quantized_leaf_typed(const Leaf& leaf, int64_t begin,
 
 // The per-chunk body: one range of one leaf, any supported dtype combination
 // and rule. Every loop of the kernel lives below this function, so that each
-// instruction-set copy (run_chunk_*) gets all of them (the AVX-512 copy runs
-// its own 8-bit loops: run_leaf_avx512).
+// instruction-set copy (run_chunk_*) gets all of them (the AVX-512 and AVX2
+// copies run their own 8-bit loops: run_leaf_avx512, run_leaf_avx2).
 // Supported combinations: T in {f32, bf16, f16}; S == f32 or S == T; U == f32 if
 // S == f32 else T (the dtype optax returns); U == T when writing params. With
 // 8-bit moments (S == u8 codes): U == f32, or U == T when writing params.
