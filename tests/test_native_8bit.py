@@ -148,6 +148,15 @@ def assert_codes_match(got, want, x64, size64, scales, signed, what):
       f"{what}: {int((distance > allowed).sum())} of {int(differ.sum())} differing codes are not near a threshold")
 
 
+def assert_new_moments_as_the_reference(got, want, old, g64, what):
+  """Both new moments (mu, nu) of one leaf without decay: scales and codes as the reference rule's, to float32
+  rounding of the float64 moments that ``old`` and the gradient ``g64`` give."""
+  for new, ref_new, old_moment, beta, signed in zip(got, want, old, (B1, B2), (True, False)):
+    x64, size64 = moment64(old_moment, g64, beta, signed)
+    assert_scales_match(new.scales, ref_new.scales, size64)
+    assert_codes_match(new.codes, ref_new.codes, x64, size64, ref_new.scales, signed, what)
+
+
 def ulps(dtype):
   """One rounding step of a stored dtype, relative."""
   return {np.dtype(jnp.float32): F32_EPS, np.dtype(jnp.bfloat16): 2**-7, np.dtype(jnp.float16): 2**-10}[np.dtype(dtype)]
@@ -358,11 +367,8 @@ def test_native_8bit_zero_blocks_and_extreme_scales():
     np.testing.assert_array_equal(np.asarray(new.scales)[0], 0.0)
     np.testing.assert_array_equal(np.asarray(new.codes)[0], zero_code)
   np.testing.assert_allclose(np.asarray(u), np.asarray(want[0][0]), rtol=4e-6, atol=1e-30)
-  g64 = g.astype(np.float64)
-  for new, ref_new, old, beta, signed in ((mu, want[1][0], m, B1, True), (nu, want[2][0], v, B2, False)):
-    x64, size64 = moment64(old, g64, beta, signed)
-    assert_scales_match(new.scales, ref_new.scales, size64)
-    assert_codes_match(new.codes, ref_new.codes, x64, size64, ref_new.scales, signed, "extreme blocks")
+  assert_new_moments_as_the_reference((mu, nu), (want[1][0], want[2][0]), (m, v), g.astype(np.float64),
+                                      "extreme blocks")
 
 
 @needs_native
@@ -382,10 +388,7 @@ def test_native_8bit_blocks_above_2_126_shrink_before_normalizing_as_the_referen
   assert float(mu.scales[0, 0]) > 2.0**126 and float(mu.scales[0, 1]) > 2.0**126
   assert len(np.unique(np.asarray(mu.codes)[0])) > 100  # the huge blocks keep their spread of codes
   np.testing.assert_allclose(np.asarray(u), np.asarray(want_u), rtol=4e-6)
-  for new, ref_new, old, beta, signed in ((mu, want_mu, m, B1, True), (nu, want_nu, v, B2, False)):
-    x64, size64 = moment64(old, np.asarray(g, np.float64), beta, signed)
-    assert_scales_match(new.scales, ref_new.scales, size64)
-    assert_codes_match(new.codes, ref_new.codes, x64, size64, ref_new.scales, signed, "huge blocks")
+  assert_new_moments_as_the_reference((mu, nu), (want_mu, want_nu), (m, v), np.asarray(g, np.float64), "huge blocks")
 
 
 @needs_native

@@ -299,8 +299,9 @@ OPTAX_HYBRID_BODY float reciprocal_of_scale(uint32_t largest) {
 OPTAX_HYBRID_BODY float quantize_block(const float* __restrict x, int64_t n, uint8_t* __restrict codes, const CodeSearch& cs,
                             uint32_t largest) {
   const float scale = float_of(largest);
-  const float shrink = by_reciprocal(largest) ? 1.0f : kShrinkHuge;
-  const float factor = by_reciprocal(largest) ? reciprocal_of_scale(largest) : 1.0f / (scale * shrink);
+  const bool shrinks = !by_reciprocal(largest);
+  const float shrink = shrinks ? kShrinkHuge : 1.0f;
+  const float factor = shrinks ? 1.0f / (scale * kShrinkHuge) : reciprocal_of_scale(largest);
   if (cs.shift == 0 || largest >= 0x7f800000u) {  // no table, or an infinite or NaN scale
     for (int64_t i = 0; i < n; ++i) {
       codes[i] = static_cast<uint8_t>(code_by_binary_search(cs.thresholds, x[i] * shrink * factor));
@@ -920,21 +921,21 @@ OPTAX_HYBRID_AVX2 void step_blocks_avx2(const Leaf& leaf, int64_t begin, int64_t
     }
     leaf.m_scales[j] = float_of(m_top);
     leaf.v_scales[j] = float_of(v_top);
+    // Whole groups of 8 by vector, the rest (all of a block with huge,
+    // infinite or NaN scales, or without tables) by the scalar loops.
+    int64_t vector_values = 0;
     if (tables && by_reciprocal(m_top) && by_reciprocal(v_top)) {
-      const float m_factor = reciprocal_of_scale(m_top), v_factor = reciprocal_of_scale(v_top);
-      const __m256 m_factor8 = _mm256_set1_ps(m_factor), v_factor8 = _mm256_set1_ps(v_factor);
+      const __m256 m_factor = _mm256_set1_ps(reciprocal_of_scale(m_top));
+      const __m256 v_factor = _mm256_set1_ps(reciprocal_of_scale(v_top));
       for (int64_t i = 0; i < full; i += 8) {
-        store_low_bytes8(mc + first + i, m_table.codes(_mm256_mul_ps(_mm256_load_ps(m_new + i), m_factor8)));
-        store_low_bytes8(vc + first + i, v_table.codes(_mm256_mul_ps(_mm256_load_ps(v_new + i), v_factor8)));
+        store_low_bytes8(mc + first + i, m_table.codes(_mm256_mul_ps(_mm256_load_ps(m_new + i), m_factor)));
+        store_low_bytes8(vc + first + i, v_table.codes(_mm256_mul_ps(_mm256_load_ps(v_new + i), v_factor)));
       }
-      for (int64_t i = full; i < n; ++i) {
-        mc[first + i] = static_cast<uint8_t>(code_by_table(q.signed_search->at_zero, q.signed_search->shift, m_new[i] * m_factor));
-        vc[first + i] = static_cast<uint8_t>(code_by_table(q.unsigned_search->at_zero, q.unsigned_search->shift, v_new[i] * v_factor));
-      }
-    } else {  // huge, infinite or NaN scales, or no table: the scalar loops
-      quantize_block(m_new, n, mc + first, *q.signed_search, m_top);
-      quantize_block(v_new, n, vc + first, *q.unsigned_search, v_top);
+      vector_values = full;
     }
+    const int64_t i = vector_values;
+    quantize_block(m_new + i, n - i, mc + first + i, *q.signed_search, m_top);
+    quantize_block(v_new + i, n - i, vc + first + i, *q.unsigned_search, v_top);
   }
 }
 
