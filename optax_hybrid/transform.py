@@ -148,13 +148,13 @@ def _state_arrays(param: Any, leaf: LeafPlan, with_master: bool) -> tuple:
 def _with_disk_files(plan: Plan, params: list, store: disk.DiskStore) -> Plan:
   """``plan`` with a new zero-filled file for each moment of each disk-tier leaf."""
   def files(p, leaf):
+    shape = np.shape(p)
     if leaf.quantized:  # codes and scales, each in its own file
-      shapes = {"mu": np.shape(p), "mu_scales": quantized.scales_shape(np.shape(p))}
-      return tuple((field, store.create(shapes[field.replace("nu", "mu")],
-                                        quantized.SCALE_DTYPE if field.endswith("scales") else quantized.CODE_DTYPE))
-                   for field in ("mu", "mu_scales", "nu", "nu_scales"))
-    return tuple((field, store.create(np.shape(p), dtype)) for field, dtype in (("mu", leaf.mu_dtype),
-                                                                               ("nu", leaf.nu_dtype)))
+      codes, scales = (shape, quantized.CODE_DTYPE), (quantized.scales_shape(shape), quantized.SCALE_DTYPE)
+      specs = {"mu": codes, "mu_scales": scales, "nu": codes, "nu_scales": scales}
+    else:
+      specs = {"mu": (shape, leaf.mu_dtype), "nu": (shape, leaf.nu_dtype)}
+    return tuple((field, store.create(*spec)) for field, spec in specs.items())
 
   return dataclasses.replace(plan, leaves=tuple(
       dataclasses.replace(leaf, files=files(p, leaf)) if leaf.on_disk else leaf
