@@ -495,8 +495,9 @@ def compile_for_gpu(fn: Callable, *args: Any, target: str = "h100", num_devices:
   Example::
 
     tx = optax_hybrid.hybrid_adamw(1e-3, tiers="host")
-    params = {"w": jax.ShapeDtypeStruct((4096, 4096), jnp.float32)}
-    state = jax.eval_shape(tx.init, params)
+    params = {"w": jax.ShapeDtypeStruct((4096, 4096), jnp.float32,
+                                        sharding=jax.sharding.SingleDeviceSharding(jax.devices()[0]))}
+    state = tx.init(params)  # not jax.eval_shape(tx.init, ...): JAX 0.10 drops its memory kinds
     report = compile_for_gpu(tx.step, params, state, params, target="h200", donate_argnums=(0, 1))
     report.device_peak_bytes, report.host_temp_bytes, report.warnings
   """
