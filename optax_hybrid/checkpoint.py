@@ -96,7 +96,13 @@ def manager(directory: str | os.PathLike, *, max_to_keep: int | None = 3, save_i
   if not os.access(directory, os.W_OK):
     raise ValueError(f"checkpoint `directory`={directory!r} is not writable.")
   options = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, save_interval_steps=save_interval_steps)
-  return ocp.CheckpointManager(directory, options=options)
+  # The handler of the checkpoint's one item, named up front: a manager that
+  # only learns it from its first save (a new process's does not) can neither
+  # read a step's tree metadata nor keep from warning that it cannot.
+  registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
+  registry.add("default", ocp.args.StandardSave)
+  registry.add("default", ocp.args.StandardRestore)
+  return ocp.CheckpointManager(directory, options=options, handler_registry=registry)
 
 
 def _is_empty(x: Any) -> bool:

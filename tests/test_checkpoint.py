@@ -1,8 +1,10 @@
 """Tests for optax_hybrid.checkpoint: memory kinds, exact resume, interrupted saves."""
 
+import logging
 import os
 import subprocess
 import sys
+import warnings
 
 import chex
 import jax
@@ -208,3 +210,22 @@ def test_leaves_that_change_dtype_gain_or_lose_their_master(tmp_path):
   again = optax_hybrid.checkpoint.restore(manager, {"params": f32, "opt": tx.init(f32)})
   assert [again["opt"].master[k].shape for k in ("b", "s", "w")] == [(0,), (0,), (0, 0)]
   np.testing.assert_array_equal(np.asarray(again["opt"].nu["w"]), np.asarray(state.nu["w"]))
+
+
+def test_a_new_manager_reads_the_saved_tree_and_restores_without_warnings(tmp_path, caplog):
+  # A restarted process opens the directory with a new manager, which has not
+  # saved anything: it must still read the step's tree (here: that it has no
+  # masters) and say nothing about items it cannot restore.
+  params = mixed_params()
+  tx = optax_hybrid.hybrid_adamw(1e-2, **F32)
+  optax_hybrid.checkpoint.save(optax_hybrid.checkpoint.manager(tmp_path), 1, {"params": params, "opt": tx.init(params)},
+                               wait=True)
+  fresh = optax_hybrid.checkpoint.manager(tmp_path)
+  like = {"params": params, "opt": optax_hybrid.hybrid_adamw(1e-2, master_dtype=jnp.float32, **F32).init(params)}
+  with caplog.at_level(logging.WARNING), warnings.catch_warnings():
+    warnings.simplefilter("error")
+    with pytest.raises(ValueError, match="has no master weights"):
+      optax_hybrid.checkpoint.restore(fresh, like)
+    restored = optax_hybrid.checkpoint.restore(fresh, like, masters_from=lambda restored: restored["params"])
+  assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
+  np.testing.assert_array_equal(np.asarray(restored["opt"].master["w"]), np.asarray(params["w"], np.float32))
