@@ -37,8 +37,12 @@ Example:
 
 from __future__ import annotations
 
+import atexit
+import logging
 import math
 import os
+import threading
+import weakref
 from typing import Any, Callable
 
 import jax
@@ -82,7 +86,30 @@ def abstract_like(tree: Any) -> Any:
 
 
 def manager(directory: str | os.PathLike, *, max_to_keep: int | None = 3, save_interval_steps: int = 1):
-  """An Orbax ``CheckpointManager`` for ``directory`` (created if missing).
+  """An Orbax ``CheckpointManager`` for ``directory`` (created if missing), set up for jobs that crash.
+
+  Besides ``max_to_keep`` and ``save_interval_steps``, it differs from
+  Orbax's defaults in what happens when things go wrong:
+
+  * a save whose directory cannot be written (read-only, full, removed)
+    raises from :func:`save` itself: the step's directories are created in
+    the calling thread (``create_directories_asynchronously=False``). With
+    Orbax's default they are created in the background, and when that fails
+    Orbax's other save threads wait minutes for them, and the process cannot
+    exit meanwhile;
+  * temporary directories of saves that a killed process left unfinished are
+    removed when the next manager opens the directory
+    (``cleanup_tmp_directories``);
+  * a save still being written when the program ends is finished before the
+    interpreter shuts down (without it, the save fails midway with
+    ``cannot schedule new futures after shutdown`` and the step is lost): the
+    manager is closed at exit unless it was closed before; an error of that
+    save is logged there;
+  * the checkpoint's item handler is registered, so that a new process's
+    manager reads a step's tree metadata (and does not warn that it cannot).
+
+  Use it as a context manager (``with checkpoint.manager(d) as m:``), or call
+  ``close()``, to close it before exit.
 
   Raises:
     ValueError: if ``directory`` exists and is not a directory, or cannot be
@@ -95,14 +122,47 @@ def manager(directory: str | os.PathLike, *, max_to_keep: int | None = 3, save_i
   os.makedirs(directory, exist_ok=True)
   if not os.access(directory, os.W_OK):
     raise ValueError(f"checkpoint `directory`={directory!r} is not writable.")
-  options = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, save_interval_steps=save_interval_steps)
+  options = ocp.CheckpointManagerOptions(
+      max_to_keep=max_to_keep, save_interval_steps=save_interval_steps, cleanup_tmp_directories=True,
+      async_options=ocp.AsyncOptions(create_directories_asynchronously=False))
   # The handler of the checkpoint's one item, named up front: a manager that
   # only learns it from its first save (a new process's does not) can neither
   # read a step's tree metadata nor keep from warning that it cannot.
   registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
   registry.add("default", ocp.args.StandardSave)
   registry.add("default", ocp.args.StandardRestore)
-  return ocp.CheckpointManager(directory, options=options, handler_registry=registry)
+  opened = ocp.CheckpointManager(directory, options=options, handler_registry=registry)
+  _close_at_exit(opened)
+  return opened
+
+
+_open_managers: "weakref.WeakSet[Any]" = weakref.WeakSet()
+_exit_hook: list = []  # [True] once registered
+
+
+def _close_at_exit(checkpoint_manager) -> None:
+  """Closes ``checkpoint_manager`` when the program ends, finishing a save still in flight."""
+  if not _exit_hook:
+    _exit_hook.append(True)
+    # Python runs threading's exit hooks (LIFO) before it joins non-daemon
+    # threads, and atexit's only after both; concurrent.futures' hook, which
+    # stops every executor Orbax's background save still needs, is one of
+    # threading's. Registered after it (Orbax is imported by now), ours runs
+    # first. threading._register_atexit is private (Python 3.9+), hence the
+    # fallback, which finishes what it can.
+    getattr(threading, "_register_atexit", atexit.register)(_close_open_managers)
+  _open_managers.add(checkpoint_manager)
+
+
+def _close_open_managers() -> None:
+  for checkpoint_manager in list(_open_managers):
+    try:
+      checkpoint_manager.close()  # waits for the save in flight; a no-op on a closed manager
+    except Exception:  # pylint: disable=broad-exception-caught
+      logging.getLogger(__name__).exception(
+          "the last save to %s failed: its step was not saved.",
+          checkpoint_manager.directory)
+    _open_managers.discard(checkpoint_manager)
 
 
 def _is_empty(x: Any) -> bool:

@@ -19,9 +19,9 @@ import optax_hybrid  # noqa: E402
 SCRIPT = os.path.join(os.path.dirname(__file__), "checkpoint_script.py")
 
 
-def run_script(*args, expect_rc=0):
+def run_script(*args, expect_rc=0, timeout=300):
   env = dict(os.environ, JAX_PLATFORMS="cpu")
-  result = subprocess.run([sys.executable, SCRIPT, *args], env=env, capture_output=True, text=True, timeout=300)
+  result = subprocess.run([sys.executable, SCRIPT, *args], env=env, capture_output=True, text=True, timeout=timeout)
   assert result.returncode == expect_rc, result.stdout + result.stderr
   return result.stdout
 
@@ -58,6 +58,42 @@ def test_a_save_killed_midway_leaves_the_previous_checkpoint(tmp_path):
   np.testing.assert_array_equal(np.asarray(restored["x"]), np.arange(10.0))
   with pytest.raises(FileNotFoundError, match="step 2"):
     optax_hybrid.checkpoint.restore(manager, like={"x": jnp.zeros(10)}, step=2)
+
+
+@pytest.mark.parametrize("how", ["not-a-directory", "read-only"])
+def test_a_failed_save_ends_the_process_with_its_error(how, tmp_path):
+  # Orbax's default (directories made in the background) left threads waiting
+  # minutes for them, and the interpreter waited for those threads at exit.
+  if how == "read-only" and os.geteuid() == 0:
+    pytest.skip("root writes into a read-only (0555) directory; not-a-directory covers root")
+  ckpt = str(tmp_path / "ckpt")
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  try:
+    result = subprocess.run([sys.executable, SCRIPT, "fail-save", "--dir", ckpt, "--how", how], env=env,
+                            capture_output=True, text=True, timeout=90)
+  except subprocess.TimeoutExpired as e:
+    pytest.fail(f"the process did not end within 90 s of its failed save: {e.stdout}")
+  finally:
+    if os.path.isdir(ckpt):
+      os.chmod(ckpt, 0o700)
+  assert "SAVING into an unwritable directory" in result.stdout and "SAVED" not in result.stdout.replace("SAVING", "")
+  assert result.returncode == 1, result.stderr
+  last_line = result.stderr.strip().splitlines()[-1]
+  assert last_line.startswith(("NotADirectoryError", "PermissionError", "OSError")), result.stderr[-3000:]
+  manager = optax_hybrid.checkpoint.manager(ckpt if how == "read-only" else ckpt + ".moved")
+  assert manager.all_steps() == [1]  # the step saved before is intact
+  np.testing.assert_array_equal(
+      np.asarray(optax_hybrid.checkpoint.restore(manager, like={"x": jnp.zeros(10)})["x"]), np.arange(10.0))
+
+
+def test_a_save_still_writing_when_the_program_ends_is_finished(tmp_path):
+  ckpt = str(tmp_path / "ckpt")
+  out = run_script("exit-while-saving", "--dir", ckpt, timeout=120)
+  assert "EXITING saving=True" in out, out  # the program really ended mid-save
+  manager = optax_hybrid.checkpoint.manager(ckpt)
+  assert manager.all_steps() == [1] and not [n for n in os.listdir(ckpt) if "tmp" in n], os.listdir(ckpt)
+  restored = optax_hybrid.checkpoint.restore(manager, like={"x": jnp.zeros((32, 1024, 1024))})
+  assert float(jnp.min(restored["x"])) == float(jnp.max(restored["x"])) == 3.0
 
 
 def test_round_trip_keeps_memory_kinds_in_process(tmp_path):
