@@ -85,6 +85,19 @@ def kill_during_save(args):
   os.kill(os.getpid(), signal.SIGKILL)
 
 
+def cut_largest_array_file(step_dir):
+  """Truncates to half its size the largest data file of a saved step (the array with most bytes); returns it.
+
+  Orbax (OCDBT) keeps array chunks in files under directories named ``d``;
+  values under 1 KiB are kept inline, so the array cut must be larger.
+  """
+  data = [os.path.join(root, name) for root, _, names in os.walk(step_dir) if os.path.basename(root) == "d"
+          for name in names]
+  path = max(data, key=os.path.getsize)
+  os.truncate(path, os.path.getsize(path) // 2)
+  return path
+
+
 def fail_a_save(args):
   """A save into a directory that can no longer be written, not caught: the process must end with its error."""
   manager = optax_hybrid.checkpoint.manager(args.dir)
