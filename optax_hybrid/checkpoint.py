@@ -229,12 +229,19 @@ def save(checkpoint_manager, step: int, tree: Any, *, wait: bool = False) -> boo
   ``wait=True`` (or call ``checkpoint_manager.wait_until_finished()``) before
   relying on the files. Disk-tier moments are read from their files (named
   by the state's plan) into the checkpoint; other arrays with no elements
-  (empty entries) are saved as nothing.
+  (empty entries) are saved as nothing. A save that fails leaves the steps
+  saved before it intact; with a manager from :func:`manager`, a directory
+  that cannot be written raises here, and an error met while writing (as the
+  storage layer raised it, e.g. TensorStore's ``ValueError``) raises from
+  ``wait=True``, the next ``save`` or ``wait_until_finished()``, or is logged
+  at exit.
 
   Raises:
     ValueError: if the tree holds disk-tier moments without the plan that
       names their files (``nnx.state(optimizer)``): the message says what to
       save instead.
+    OSError: if the step's directory cannot be created (read-only, removed,
+      full).
   """
   ocp = _orbax()
   tree = jax.tree.map(_with_file_values, tree, is_leaf=_is_state)
