@@ -422,8 +422,11 @@ def apply_updates(params: Any, updates: Any) -> Any:
 
 # Primitives that move or relabel data without computing on it.
 # A layout constraint (host compute's operands: _compat.row_major) only fixes
-# how a value is laid out.
-_DATA_MOVEMENT = frozenset({"device_put", "copy", "copy_p", "optimization_barrier", "layout_constraint"})
+# how a value is laid out; a dynamic slice cuts a part of a host array to be
+# moved, and a dynamic update slice writes a moved part into one (XLA:GPU
+# makes each a copy across the link: scan_layers' slices of a layer stack).
+_DATA_MOVEMENT = frozenset({"device_put", "copy", "copy_p", "optimization_barrier", "layout_constraint",
+                            "dynamic_slice", "dynamic_update_slice"})
 
 
 def _sub_jaxprs(eqn) -> list:
