@@ -27,6 +27,12 @@
    fields), step time per tier, the device<->host copy bandwidth measured in
    the same run, and whether host and device work overlapped (a half/half
    ``offload_fraction`` step against its two halves run alone).
+6. Layers streamed from host memory: the Llama-style decoder of
+   ``benchmarks/models.py`` (width 2048, 8 layers, batch 4 x 2048) trained 3
+   steps all on the device (``lax.scan``, device tier) and streamed
+   (``scan_layers`` from ``pinned_host``, host tier): same losses, step time
+   of each, device and host memory; then the deepest streamed model that the
+   machine's host memory holds (about 70% of it), one step.
 
 Exits non-zero if a correctness check failed (after printing every figure).
 """
@@ -452,6 +458,102 @@ def tier_report(n_leaves: int, leaf: int, reps: int) -> None:
         f"({'overlapped' if both < 0.9 * alone else 'not overlapped'}: {alone / both:.2f}x)", flush=True)
 
 
+# --- 6. layers streamed from host memory --------------------------------------------------
+
+def _llama_run(cfg_kw: dict, streamed: bool, steps: int, reps: int):
+  """Builds the Llama-style decoder (benchmarks/models.py) for real and times its donated train step.
+
+  ``streamed``: layers in ``pinned_host``, run by ``scan_layers``, the host
+  tier (fp32 master and moments on the host); else everything on the device
+  (``lax.scan``, the device tier). bf16 params. Returns (losses, seconds per
+  step, params, device GiB, host GiB).
+  """
+  import models
+  model = models.llama(jnp.bfloat16, stream=streamed, layers_memory_kind="pinned_host" if streamed else "device",
+                       **cfg_kw)
+  device = jax.devices()[0]
+  key = iter(jax.random.split(jax.random.key(0), 64))
+
+  def real(x):
+    kind = getattr(x.sharding, "memory_kind", None) or "device"
+    value = np.asarray(0.02 * jax.random.normal(next(key), x.shape, jnp.float32)).astype(x.dtype)
+    return jax.device_put(value, jax.sharding.SingleDeviceSharding(device, memory_kind=kind))
+
+  params = jax.tree.map(real, model.params)
+  tokens = jax.random.randint(jax.random.key(1), model.batch["inputs"].shape, 0, cfg_kw["vocab"])
+  batch = {"inputs": tokens, "targets": jnp.roll(tokens, -1, axis=1)}
+  tx = optax_hybrid.hybrid_adamw(1e-3, weight_decay=WD, tiers="host" if streamed else "device",
+                                 master_dtype=jnp.float32, moment_format="float32")
+  state = tx.init(params)
+
+  def train_step(p, s, b):
+    loss, grads = jax.value_and_grad(model.loss)(p, b)
+    p, s = tx.step(p, s, grads)
+    return p, s, loss
+
+  step = jax.jit(train_step, donate_argnums=(0, 1))
+  mem = step.lower(params, state, batch).compile().memory_analysis()
+  gib = lambda *xs: sum(xs) / 2**30
+  dev = gib(mem.argument_size_in_bytes, mem.output_size_in_bytes - mem.alias_size_in_bytes, mem.temp_size_in_bytes)
+  host = gib(getattr(mem, "host_argument_size_in_bytes", 0),
+             getattr(mem, "host_output_size_in_bytes", 0) - getattr(mem, "host_alias_size_in_bytes", 0),
+             getattr(mem, "host_temp_size_in_bytes", 0))
+  losses = []
+  for _ in range(steps):
+    params, state, loss = step(params, state, batch)
+    losses.append(float(loss))
+
+  def run():
+    nonlocal params, state
+    params, state, _ = step(params, state, batch)
+    jax.block_until_ready(params)
+
+  seconds = timed(run, reps)
+  return losses, seconds, model.num_params, dev, host
+
+
+def streaming_report(smoke: bool, reps: int) -> None:
+  """Streamed (scan_layers + host tier) against all on the device, then the deepest streamed model that runs."""
+  if "pinned_host" not in placement.available_memory_kinds():
+    print("no pinned_host memory here: streaming not measured", flush=True)
+    return
+  size = (dict(width=64, heads=2, ffn=172, vocab=256, seq=32, batch=2) if smoke
+          else dict(width=2048, heads=16, ffn=5504, vocab=32000, seq=2048, batch=4))
+  layers = 2 if smoke else 8
+  print(f"\n## 6. layers streamed from host memory: Llama-style, width {size['width']}, {layers} layers, "
+        f"batch {size['batch']} x {size['seq']}, bf16 params, fp32 master and moments", flush=True)
+  down, up = host_bandwidth(2**12 if smoke else 2**28, reps)
+  print(f"device->host {down:.1f} GB/s, host->device {up:.1f} GB/s", flush=True)
+  rows = {}
+  for name, streamed in (("all on the device (lax.scan, device tier)", False),
+                         ("streamed (scan_layers from pinned_host, host tier)", True)):
+    rows[name] = _llama_run(dict(layers=layers, **size), streamed, steps=3, reps=reps)
+  print(f"| {'setup':<52} | {'ms/step':>8} | {'device GiB':>10} | {'host GiB':>8} | losses (3 steps) |")
+  print(f"|{'-' * 54}|{'-' * 10}|{'-' * 12}|{'-' * 10}|{'-' * 18}|")
+  for name, (losses, seconds, n, dev, host) in rows.items():
+    print(f"| {name:<52} | {seconds * 1e3:8.1f} | {dev:10.2f} | {host:8.2f} | "
+          f"{', '.join(f'{l:.4f}' for l in losses)} |", flush=True)
+  (l_dev, t_dev, *_), (l_str, t_str, *_) = rows.values()
+  check("streamed losses == all-on-device losses (3 steps)", excess(l_str, l_dev, 2e-2, 1e-3) <= 1,
+        f"{l_str} vs {l_dev}")
+  print(f"streamed / all on the device: {t_str / t_dev:.2f}x the step time", flush=True)
+  # The deepest streamed model: host memory bounds it (the layers, their gradient and the host
+  # tier's state live there). Probe depths upwards from the small run until a step fails.
+  total_host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+  best, per_layer = None, rows[list(rows)[1]][4] / layers  # host GiB per layer, the small run's
+  depth = max(layers, int(0.7 * total_host / max(per_layer, 1e-9))) if not smoke else layers + 1
+  try:
+    losses, seconds, n, dev, host = _llama_run(dict(layers=depth, **size), True, steps=1, reps=1)
+    best = (depth, n, seconds, dev, host, losses[-1])
+  except Exception as e:  # noqa: BLE001 - out of memory is a finding, reported
+    print(f"{depth} layers did not run: {type(e).__name__}: {str(e).splitlines()[0][:200]}", flush=True)
+  if best:
+    depth, n, seconds, dev, host, loss = best
+    print(f"deepest streamed run: {depth} layers = {n / 1e9:.2f}B params, {seconds:.2f} s/step, device "
+          f"{dev:.1f} GiB, host {host:.1f} GiB of {total_host:.0f} GiB, loss {loss:.4f}", flush=True)
+    check("the deepest streamed model ran a finite step", math.isfinite(loss))
+
+
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--smoke", action="store_true", help="tiny sizes, to check the script anywhere")
@@ -506,6 +608,7 @@ def main(argv=None):
     guarded(lambda: tier_report(4, 2**10, reps), "tiers")
   else:
     guarded(lambda: tier_report(16, 2**26, min(reps, 5)), "tiers")  # 16 x 64M = 1.07B bf16 params
+  guarded(lambda: streaming_report(smoke, min(reps, 5)), "streaming")
   print(f"\n{time.perf_counter() - start:.0f} s; {'all checks passed' if not FAILURES else 'FAILED: ' + ', '.join(FAILURES)}")
   return 1 if FAILURES else 0
 

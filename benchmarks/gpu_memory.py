@@ -3,6 +3,7 @@
     JAX_PLATFORMS=cpu PYTHONPATH=. python benchmarks/gpu_memory.py [--width 4096] [--target h200]
     JAX_PLATFORMS=cpu PYTHONPATH=. python benchmarks/gpu_memory.py --step-table [--scale 1.0]
     JAX_PLATFORMS=cpu PYTHONPATH=. python benchmarks/gpu_memory.py --staging-table [--target h100]
+    JAX_PLATFORMS=cpu PYTHONPATH=. python benchmarks/gpu_memory.py --streaming-table [--stream-layers 16,32,1000]
     JAX_PLATFORMS=cpu PYTHONPATH=. python benchmarks/gpu_memory.py --quick
 
 Needs the ``gpu-compile`` extra; no GPU. Everything is compiled with
@@ -24,6 +25,13 @@ and fp32 ``mu``. For each, the depth is bisected for the largest model whose
 (``benchmarks/step.py``), per tier: kernels, transfers, host calls and the
 bytes its kernels read and write per parameter (the floor for an fp32 AdamW
 step is 28 B: read p, g, m, v, write p, m, v), next to ``optax.adamw``.
+
+``--streaming-table``: the Llama-style decoder of ``benchmarks/models.py`` at
+full size, its layers run by ``jax.lax.scan`` on the device, by a scan that
+moves each layer from ``pinned_host`` in its body, or by
+``optax_hybrid.scan_layers`` (with and without ``offload_carries``), with
+the ``host`` tier (and ``lax.scan`` with the ``host_state`` tier), at several depths: device and host peak, the
+device's growth per layer, bus bytes per param and step.
 
 ``--staging-table``: the streamed tiers (``host_state``, ``host``,
 ``offload_fraction=0.5``) x kernel x path on 8 leaves of 2048 x 2048: their
@@ -374,6 +382,73 @@ def step_table(args) -> list[dict]:
   return rows
 
 
+# name -> (how the layers run, where they live, offload_carries, tier); the
+# layers' ShapeDtypeStructs carry a NamedSharding (typed as host values under
+# jit) but in the one setup that shows what a SingleDeviceSharding compiles.
+STREAM_SETUPS = {
+    "lax.scan (layers on the device)": (False, "device", False, "host"),
+    "lax.scan + device_put in the body (layers in pinned_host)": ("device_put", "pinned_host", False, "host"),
+    "the same, layers typed as device values (SingleDeviceSharding)": (
+        "device_put", "pinned_host/single", False, "host"),
+    "scan_layers (layers in pinned_host)": (True, "pinned_host", False, "host"),
+    "scan_layers + offload_carries": (True, "pinned_host", True, "host"),
+    "lax.scan + host_state tier (layers on the device)": (False, "device", False, "host_state"),
+}
+
+
+def streaming_figures(setup: str, layers: int, target: str, moments: str) -> dict:
+  """One whole train step of the Llama-style decoder (``benchmarks/models.py``), bf16 params + fp32 master."""
+  import models
+  stream, kind, offload, tier = STREAM_SETUPS[setup]
+  kind, _, single = kind.partition("/")
+  model = models.llama(jnp.bfloat16, stream=stream, offload_carries=offload, layers_memory_kind=kind,
+                       named=not single, layers=layers, width=4096, heads=32, ffn=11008, vocab=32000, seq=2048,
+                       batch=1)
+  tx = optax_hybrid.hybrid_adamw(1e-4, weight_decay=0.1, tiers=tier, master_dtype=jnp.float32, moment_format=moments)
+  state = tx.init(model.params)
+
+  def train_step(p, s, b):
+    loss, grads = jax.value_and_grad(model.loss)(p, b)
+    p, s = tx.step(p, s, grads)
+    return p, s, loss
+
+  report = gpu_compile.compile_for_gpu(train_step, model.params, state, model.batch, target=target,
+                                       donate_argnums=(0, 1))
+  n = model.num_params
+  return dict(setup=setup, layers=layers, params=n, device=report.device_peak_bytes, host=report.host_peak_bytes,
+              device_temp=report.device_temp_bytes, to_device_per_param=report.to_device_bytes / n,
+              to_host_per_param=report.to_host_bytes / n, warnings=len(report.warnings),
+              carry_bytes=2048 * 4096 * 2)
+
+
+def streaming_table(args) -> list[dict]:
+  rows = []
+  for setup in args.stream_setups.split(","):
+    for layers in (int(x) for x in args.stream_layers.split(",")):
+      rows.append(in_subprocess(["--one-streaming", setup, "--layers", str(layers), "--target", args.target,
+                                 "--moments", args.moments]))
+      print(f"  {json.dumps(rows[-1])}", file=sys.stderr, flush=True)
+  print(f"\nThe Llama-style decoder (width 4096, 32 heads, SwiGLU 11008, vocab 32000, batch 1 x 2048), bf16 params "
+        f"with an fp32 master and {args.moments} moments, whole train step (value_and_grad + tx.step, donated, "
+        f"abstract inputs), {args.target.upper()} target ({gpu_compile.target_device_memory_bytes(args.target) / GB:.1f}"
+        f" GB); compile-time figures, jax {jax.__version__}. Bus bytes per param and step, counted from the "
+        "optimized HLO:\n")
+  print("| setup | layers | params | device GB | device growth per layer | host GB | bus in B/param | "
+        "bus out B/param | fallback warnings |")
+  print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+  previous = {}
+  for r in rows:
+    growth = "-"
+    if r["setup"] in previous:
+      p = previous[r["setup"]]
+      growth = f"{(r['device'] - p['device']) / (r['layers'] - p['layers']) / 1e6:.1f} MB"
+    previous[r["setup"]] = r
+    print(f"| {r['setup']} | {r['layers']} | {r['params'] / 1e9:.2f} B | {r['device'] / GB:.2f} | {growth} | "
+          f"{r['host'] / GB:.0f} | {r['to_device_per_param']:.2f} | {r['to_host_per_param']:.2f} | {r['warnings']} |")
+  print(f"\n(one saved carry, 1 x 2048 x 4096 bf16: {rows[0]['carry_bytes'] / 1e6:.1f} MB)")
+  return rows
+
+
 def staging_table(args) -> list[dict]:
   rows = []
   for dtype_name in ("bfloat16", "float32"):
@@ -408,7 +483,14 @@ def main(argv=None):
                       help="--step-table: real arrays (default) or ShapeDtypeStructs")
   parser.add_argument("--staging-table", action="store_true",
                       help="host_state / host / offload_fraction temporaries on 8 leaves of 2048 x 2048")
+  parser.add_argument("--streaming-table", action="store_true",
+                      help="the Llama-style decoder's layers streamed from host memory (scan_layers) vs lax.scan")
+  parser.add_argument("--stream-setups", default=",".join(STREAM_SETUPS))
+  parser.add_argument("--stream-layers", default="16,32", help="--streaming-table: depths (comma-separated)")
+  parser.add_argument("--moments", default="float32", help="--streaming-table: moment_format")
   parser.add_argument("--quick", action="store_true", help="a small run of both tables (a test)")
+  parser.add_argument("--one-streaming", help=argparse.SUPPRESS)
+  parser.add_argument("--layers", type=int, default=2, help=argparse.SUPPRESS)
   parser.add_argument("--one-staging", help=argparse.SUPPRESS)
   parser.add_argument("--dtype", default="bfloat16", help=argparse.SUPPRESS)
   parser.add_argument("--one-setup", help=argparse.SUPPRESS)
@@ -421,6 +503,11 @@ def main(argv=None):
   if args.one_step:
     print(json.dumps(step_figures(args.one_step, args.scale, args.target, args.inputs)))
     return None
+  if args.one_streaming:
+    print(json.dumps(streaming_figures(args.one_streaming, args.layers, args.target, args.moments)))
+    return None
+  if args.streaming_table:
+    return dict(streaming=streaming_table(args))
   if args.one_staging:
     print(json.dumps(staging_figures(args.one_staging, args.dtype, args.target)))
     return None

@@ -45,24 +45,23 @@ class Model:
     return sum(math.prod(x.shape) for x in jax.tree.leaves(self.params))
 
 
-def placed(tree: Any, memory_kind: str = "device") -> Any:
+def placed(tree: Any, memory_kind: str = "device", named: bool = True) -> Any:
   """ShapeDtypeStructs committed to the first device (as a real, placed model's would be), in ``memory_kind``.
 
   Host memory is named by a ``NamedSharding`` on a one-device mesh: JAX 0.10
   traces a ``ShapeDtypeStruct`` whose ``SingleDeviceSharding`` says
   ``pinned_host`` as a device value, and a ``NamedSharding`` one as a host
-  value, as it does real arrays placed there.
+  value, as it does real arrays placed there (``named=False``: the
+  ``SingleDeviceSharding`` anyway, to show what that compiles).
   """
   if memory_kind == "device":
     sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  elif not named:
+    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind=memory_kind)
   else:
     mesh = jax.make_mesh((1,), ("one",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:1])
     sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(), memory_kind=memory_kind)
   return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), tree)
-
-
-def _cast(tree: Any, dtype: Any) -> Any:
-  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, dtype), tree)
 
 
 def _tokens(batch: int, seq: int) -> dict:
@@ -155,14 +154,14 @@ class LlamaConfig:
     return self.width // self.heads
 
 
-def llama_params(cfg: LlamaConfig, dtype: Any, layers_memory_kind: str = "device") -> dict:
+def llama_params(cfg: LlamaConfig, dtype: Any, layers_memory_kind: str = "device", named: bool = True) -> dict:
   """Abstract params: token embedding ``(V, D)``, layers stacked on axis 0 (in ``layers_memory_kind``), head ``(D, V)``."""
   L, d, f = cfg.layers, cfg.width, cfg.ffn
   s = lambda *shape: jax.ShapeDtypeStruct(shape, dtype)
   layers = {"attn_norm": s(L, d), "wq": s(L, d, d), "wk": s(L, d, d), "wv": s(L, d, d), "wo": s(L, d, d),
             "mlp_norm": s(L, d), "w_gate": s(L, d, f), "w_up": s(L, d, f), "w_down": s(L, f, d)}
   return {**placed({"embed": s(cfg.vocab, d), "final_norm": s(d), "head": s(d, cfg.vocab)}),
-          "layers": placed(layers, layers_memory_kind)}
+          "layers": placed(layers, layers_memory_kind, named)}
 
 
 def rms_norm(x: jax.Array, scale: jax.Array) -> jax.Array:
@@ -194,12 +193,17 @@ def llama_layer(cfg: LlamaConfig, x: jax.Array, p: dict, positions: jax.Array) -
   return x + (jax.nn.silu(h @ p["w_gate"]) * (h @ p["w_up"])) @ p["w_down"]
 
 
-def llama_loss(cfg: LlamaConfig, params: dict, batch: dict, stream: bool = False,
+def llama_loss(cfg: LlamaConfig, params: dict, batch: dict, stream: Any = False,
                offload_carries: bool = False) -> jax.Array:
-  """The mean cross-entropy; the layers run by ``jax.lax.scan`` over a checkpointed layer, or by ``scan_layers``."""
+  """The mean cross-entropy; the layers run by ``jax.lax.scan`` over a checkpointed layer (``stream=False``),
+  the same with each layer moved to the device in the body (``"device_put"``), or by ``scan_layers`` (True)."""
   positions = jnp.arange(batch["inputs"].shape[1])
   x = params["embed"][batch["inputs"]]
-  if stream:
+  if stream == "device_put":  # the obvious route: each layer moved to the device inside a plain scan
+    to_device = lambda p: jax.tree.map(lambda a: jax.device_put(a, jax.memory.Space.Device), p)
+    body = jax.checkpoint(lambda x, p: (llama_layer(cfg, x, to_device(p), positions), None))
+    x, _ = jax.lax.scan(body, x, params["layers"])
+  elif stream:
     import optax_hybrid
     x = optax_hybrid.scan_layers(lambda x, p: llama_layer(cfg, x, p, positions), x, params["layers"],
                                  offload_carries=offload_carries)
@@ -210,11 +214,11 @@ def llama_loss(cfg: LlamaConfig, params: dict, batch: dict, stream: bool = False
   return _cross_entropy(logits, batch["targets"])
 
 
-def llama(dtype: Any = jnp.bfloat16, *, stream: bool = False, offload_carries: bool = False,
-          layers_memory_kind: str = "device", **config: Any) -> Model:
+def llama(dtype: Any = jnp.bfloat16, *, stream: Any = False, offload_carries: bool = False,
+          layers_memory_kind: str = "device", named: bool = True, **config: Any) -> Model:
   """The Llama-style decoder; ``stream``: its layers run by ``optax_hybrid.scan_layers`` (from ``layers_memory_kind``)."""
   cfg = LlamaConfig(**config)
-  return Model("llama", llama_params(cfg, dtype, layers_memory_kind), _tokens(cfg.batch, cfg.seq),
+  return Model("llama", llama_params(cfg, dtype, layers_memory_kind, named), _tokens(cfg.batch, cfg.seq),
                lambda p, b: llama_loss(cfg, p, b, stream, offload_carries))
 
 

@@ -16,14 +16,16 @@ def test_smoke_run_passes_its_checks_and_prints_every_section(capsys):
   assert gpu_check.main(["--smoke", "--trees", "one", "--reps", "1"]) == 0
   out = capsys.readouterr().out
   for heading in ("## 1. correctness", "## 2. copy bandwidth", "## 3. Pallas block size", "## 4. step time",
-                  "## 5. placement tiers", "overlap: the halves alone"):
+                  "## 5. placement tiers", "overlap: the halves alone", "## 6. layers streamed",
+                  "deepest streamed run"):
     assert heading in out
   assert "FAIL" not in out and "all checks passed" in out
   for variant in ("optax.adamw", "ours pallas, tx.step", "ours xla, update+apply",
                   "ours pallas, pinned_host moments, tx.step", "ours pallas, 8-bit moments, tx.step"):
     assert f"| {variant}" in out
   for check in ("8-bit moments: pallas == the XLA rule", "8-bit moments: pallas == the float64 model",
-                "8-bit moments: one Triton launch"):
+                "8-bit moments: one Triton launch", "streamed losses == all-on-device losses",
+                "the deepest streamed model ran a finite step"):
     assert f"PASS  {check}" in out
 
 
