@@ -388,12 +388,15 @@ def step_table(args) -> list[dict]:
 STREAM_SETUPS = {
     "lax.scan (layers on the device)": (False, "device", False, "host"),
     "lax.scan + device_put in the body (layers in pinned_host)": ("device_put", "pinned_host", False, "host"),
-    "the same, layers typed as device values (SingleDeviceSharding)": (
+    "the same with layers typed as device values (SingleDeviceSharding)": (
         "device_put", "pinned_host/single", False, "host"),
     "scan_layers (layers in pinned_host)": (True, "pinned_host", False, "host"),
     "scan_layers + offload_carries": (True, "pinned_host", True, "host"),
     "lax.scan + host_state tier (layers on the device)": (False, "device", False, "host_state"),
 }
+
+
+assert not any("," in name for name in STREAM_SETUPS)  # --stream-setups splits on commas
 
 
 def streaming_figures(setup: str, layers: int, target: str, moments: str) -> dict:
