@@ -489,16 +489,13 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
   # initializer (seconds of a short run).
   model = nnx.jit(lambda: CharGPT(len(vocab), args.seq_len, args.layers, args.d_model, args.heads,
                                   nnx.Rngs(args.seed)))()
-  # Host-resident moments are committed to their device; committing the
-  # weights too gives the jitted step one signature from its first call.
-  nnx.update(model, jax.device_put(nnx.state(model), jax.devices()[0]))
   tx = standard_optimizer(args.lr, args.steps, state_memory_kind=args.placement, kernel=args.kernel,
                           moment_format=args.moment_format)
   optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
-  # nnx.Optimizer makes its step counter uncommitted while the jitted step
-  # returns it committed: left so, the second call would compile the step again.
-  nnx.update(optimizer, jax.tree.map(
-      lambda a: a if a.committed else jax.device_put(a, a.sharding), nnx.state(optimizer)))
+  # A step that moves state between memory kinds returns committed arrays: the
+  # weights and nnx.Optimizer's step counter, uncommitted so far, are committed
+  # now, or the second call would compile the step again.
+  nnx.update((model, optimizer), optax_hybrid.commit(nnx.state((model, optimizer))))
   report = memory_report(nnx.state(model, nnx.Param), optimizer.opt_state)
   layers = f"{args.layers} layer{'s' if args.layers > 1 else ''}"
   print(f"model: {layers}, d_model {args.d_model}, {args.heads} heads, context {args.seq_len}; "

@@ -13,6 +13,9 @@ Public API:
   (8-bit moments dequantized, disk moments read).
 * :func:`apply_updates`: ``optax.apply_updates`` that is correct for params in
   any memory kind.
+* :func:`commit`: commits what a jitted step takes (params, state, a
+  ``TrainState``, an NNX model and optimizer), so that a step with state in
+  host memory compiles once.
 * :func:`host_arithmetic_outside_host_compute`: finds device arithmetic on
   host-resident values in a jaxpr.
 * :mod:`optax_hybrid.checkpoint`: Orbax save/restore that keeps memory kinds.
@@ -34,6 +37,7 @@ from optax_hybrid.placement import (
     STATE_MEMORY_KINDS,
     apply_updates,
     available_memory_kinds,
+    commit,
     host_arithmetic_outside_host_compute,
 )
 from optax_hybrid.recipe import last_learning_rate, standard_optimizer
@@ -50,6 +54,7 @@ __all__ = [
     "STATE_MEMORY_KINDS",
     "apply_updates",
     "checkpoint",
+    "commit",
     "disk",
     "last_learning_rate",
     "memory_report",
