@@ -28,8 +28,8 @@ Public API:
   the disk tier; :mod:`optax_hybrid.plan`: every per-leaf decision ``init``
   makes (``state.plan``).
 * :mod:`optax_hybrid.gpu_compile`: compile a step for an H100/H200 without a
-  GPU and read what XLA planned (``import optax_hybrid.gpu_compile``; needs the
-  ``gpu-compile`` extra).
+  GPU and read what XLA planned (``import optax_hybrid.gpu_compile``; needs
+  JAX's CUDA plugin: ``gpu_compile.install_cuda_plugin()``).
 """
 
 from optax_hybrid import checkpoint, disk, plan, recipe, report, tiers
