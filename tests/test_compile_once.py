@@ -186,3 +186,33 @@ def test_commit_keeps_committed_arrays_and_commits_the_rest():
     np.testing.assert_array_equal(np.asarray(x), np.asarray(tree[name]))
   # Numbers keep the weak type jit gives them, so the step traces as before.
   assert out["count"].dtype == jnp.int32 and out["count"].weak_type
+
+
+def test_an_injected_value_recompiles_nothing_when_it_keeps_its_type():
+  """docs/optimizer.md's condition: same shape, dtype, weak type and committedness as the value it replaces.
+
+  ``jnp.full_like(old, value)`` keeps all four; a Python float (weakly
+  typed, uncommitted) or a fresh ``jnp.asarray(value, jnp.float32)``
+  (uncommitted) compiles the step once more, once per such kind, not per change.
+  """
+  tx = optax.inject_hyperparams(optax_hybrid.hybrid_adamw)(learning_rate=1e-2, weight_decay=0.1, tiers="host_state")
+  params = {"w": jnp.ones((4, 3)), "b": jnp.zeros(3)}
+  params, state = optax_hybrid.commit((params, tx.init(params)))
+
+  @jax.jit
+  def train_step(params, state):
+    updates, state = tx.update(jax.tree.map(jnp.ones_like, params), state, params)
+    return optax_hybrid.apply_updates(params, updates), state
+
+  changes = [("first", None, None), ("full_like", lambda old: jnp.full_like(old, 3e-3), 0),
+             ("full_like", lambda old: jnp.full_like(old, 1e-3), 0), ("float", lambda old: 2e-3, 1),
+             ("float", lambda old: 4e-3, 0), ("asarray", lambda old: jnp.asarray(5e-3, jnp.float32), 1)]
+  for name, change, expected in changes:
+    if change is not None:
+      state.hyperparams["learning_rate"] = change(state.hyperparams["learning_rate"])
+    rate = float(state.hyperparams["learning_rate"])
+    before = len(_compiles)
+    params, state = train_step(params, state)
+    compiled = len(_compiles) - before
+    assert compiled >= 1 if expected is None else compiled == expected, (name, compiled)
+    assert float(state.hyperparams["learning_rate"]) == np.float32(rate), name
