@@ -2,6 +2,7 @@
 
     JAX_PLATFORMS=cpu PYTHONPATH=. python benchmarks/gpu_memory.py [--width 4096] [--target h200]
     JAX_PLATFORMS=cpu PYTHONPATH=. python benchmarks/gpu_memory.py --step-table [--scale 1.0]
+    JAX_PLATFORMS=cpu PYTHONPATH=. python benchmarks/gpu_memory.py --staging-table [--target h100]
     JAX_PLATFORMS=cpu PYTHONPATH=. python benchmarks/gpu_memory.py --quick
 
 Needs JAX's CUDA plugin (once: ``python -c "from optax_hybrid import gpu_compile;
@@ -25,7 +26,13 @@ and fp32 ``mu``. For each, the depth is bisected for the largest model whose
 bytes its kernels read and write per parameter (the floor for an fp32 AdamW
 step is 28 B: read p, g, m, v, write p, m, v), next to ``optax.adamw``.
 
-Each setup compiles in its own subprocess: an XLA abort fails that setup only.
+``--staging-table``: the streamed tiers (``host_state``, ``host``,
+``offload_fraction=0.5``) x kernel x path on 8 leaves of 2048 x 2048: their
+device and host temporaries per parameter (how many stages are staged).
+
+Each setup compiles in its own subprocess. A compile error (or an XLA abort)
+stops the run with its message: a failed compile is never counted as a model
+that does not fit.
 """
 
 from __future__ import annotations
@@ -193,13 +200,24 @@ def compile_train_step(setup: str, cfg: Config, target: str) -> dict:
 
 # --- subprocess per setup ---------------------------------------------------------------------
 
+class CompileFailed(SystemExit):
+  """A setup's subprocess failed (a compile error, an XLA abort): the run stops with its message."""
+
+
 def in_subprocess(args: list[str], timeout: float = 1800) -> dict:
+  """Runs this script with ``args`` in a subprocess and returns its JSON line.
+
+  Raises:
+    CompileFailed: the subprocess failed; the message has its error (the
+      last lines of its stderr), which a table must not turn into "does not fit".
+  """
   proc = subprocess.run([sys.executable, os.path.abspath(__file__), *args], capture_output=True, text=True,
                         timeout=timeout, env=dict(os.environ, JAX_PLATFORMS="cpu"))
   lines = [l for l in proc.stdout.splitlines() if l.startswith("{")]
   if proc.returncode != 0 or not lines:
-    crash = [l for l in proc.stderr.splitlines() if "Check failed" in l or "Error" in l]
-    return dict(error=f"rc {proc.returncode}: " + (" | ".join(crash[-2:]) or proc.stderr[-500:]))
+    tail = "\n".join(proc.stderr.strip().splitlines()[-15:])
+    raise CompileFailed(f"gpu_memory.py {' '.join(args)} failed (rc {proc.returncode}); the run stops "
+                        f"rather than count a failed compile as a model that does not fit:\n{tail}")
   return json.loads(lines[-1])
 
 
@@ -210,11 +228,8 @@ def largest_fitting(setup: str, width: int, heads: int, target: str, max_layers:
 
   def fits(layers: int) -> bool:
     cfg = Config(layers=layers, width=width, heads=heads, **cfg_kw)
-    try:
-      probes[layers] = r = compile_train_step(setup, cfg, target)
-    except Exception as e:  # a compile error: report it, count it as not fitting
-      probes[layers] = dict(error=f"{type(e).__name__}: {str(e).splitlines()[0][:300]}")
-      return False
+    # A compile error is not "does not fit": it propagates and stops the run.
+    probes[layers] = r = compile_train_step(setup, cfg, target)
     return r["device"] <= limit
 
   # The step's device memory grows linearly with depth (scanned layers): two
@@ -239,10 +254,8 @@ def largest_fitting(setup: str, width: int, heads: int, target: str, max_layers:
       lo = mid
     else:
       hi = mid
-  errors = [p["error"] for p in probes.values() if "error" in p]
   best = probes.get(lo) if lo else None
-  return dict(setup=setup, layers=lo, best=best, probes=len(probes), error=errors[0] if errors else None,
-              limit=limit)
+  return dict(setup=setup, layers=lo, best=best, probes=len(probes), limit=limit)
 
 
 def step_figures(setup: str, scale: float, target: str, inputs: str) -> dict:
@@ -273,6 +286,35 @@ def step_figures(setup: str, scale: float, target: str, inputs: str) -> dict:
               warnings=len(report.warnings))
 
 
+STAGING_TREE = {**{f"w{i}": (2048, 2048) for i in range(8)}, **{f"b{i}": (2048,) for i in range(8)}}
+STAGING_SETUPS = [f"{tier}:{kernel}:{path}" for tier in ("host_state", "host", "offload_fraction")
+                  for kernel in ("xla", "pallas") for path in ("step", "update")]
+
+
+def staging_figures(setup: str, dtype_name: str, target: str) -> dict:
+  """Device and host temporaries of one streamed tier's step on :data:`STAGING_TREE` (8 leaves of 2048 x 2048)."""
+  tier, kernel, path = setup.split(":")
+  dtype = jnp.dtype(dtype_name)
+  placement = dict(offload_fraction=0.5) if tier == "offload_fraction" else dict(tiers=tier)
+  tx = optax_hybrid.hybrid_adamw(1e-3, weight_decay=0.1, kernel=kernel, moment_format="float32",
+                                 master_dtype=jnp.float32 if dtype != jnp.float32 else None, **placement)
+  params = placed({k: jax.ShapeDtypeStruct(s, dtype) for k, s in STAGING_TREE.items()})
+  state = tx.init(params)
+  if path == "step":
+    fn = tx.step
+  else:
+    fn = lambda p, s, g: (lambda u, s: (optax_hybrid.apply_updates(p, u), s))(*tx.update(g, s, p))
+  report = gpu_compile.compile_for_gpu(fn, params, state, params, target=target, donate_argnums=(0, 1))
+  n = num_params(params)
+  leaf_state = max(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves((state.mu, state.nu)))
+  return dict(setup=setup, dtype=dtype_name, device_temp_per_param=report.device_temp_bytes / n,
+              host_temp_per_param=report.host_temp_bytes / n, transfers=report.transfers,
+              host_calls=report.host_calls, warnings=len(report.warnings),
+              state_per_param=sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(
+                  (state.mu, state.nu, state.master))) / n,
+              largest_leaf_state_per_param=(leaf_state * 2 + (4 * 2048 * 2048 if dtype != jnp.float32 else 0)) / n)
+
+
 # --- tables ----------------------------------------------------------------------------
 
 def memory_table(args) -> list[dict]:
@@ -298,10 +340,10 @@ def memory_table(args) -> list[dict]:
   for r in rows:
     best = r.get("best")
     if not best:
-      print(f"| {r['setup']} | 0 | - | - | - | - | {r.get('error') or 'nothing fits'} |")
+      print(f"| {r['setup']} | 0 | - | - | - | - | nothing fits |")
       continue
     ratio = f"{best['params'] / base['best']['params']:.2f}" if base else "-"
-    note = (r.get("error") or "")[:120]
+    note = ""
     if r["layers"] >= args.max_layers:
       note = f"fits at the cap (--max-layers {args.max_layers}) " + note
     if best.get("warnings"):
@@ -326,13 +368,28 @@ def step_table(args) -> list[dict]:
         "| host B/param | device temp | host temp | fallback warnings |")
   print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
   for r in rows:
-    if "error" in r:
-      print(f"| {r['setup']} | {r['error'][:200]} ||||||||||")
-      continue
     print(f"| {r['setup']} | {r['kernels']} | {r['triton']} | {r['transfers']} | {r['transfer_per_param']:.2f} | "
           f"{r['host_calls']} | "
           f"{r['bytes_per_param']:.1f} | {r['device_per_param']:.2f} | {r['host_per_param']:.2f} | "
           f"{r['device_temp_per_param']:.2f} | {r['host_temp_per_param']:.2f} | {r['warnings']} |")
+  return rows
+
+
+def staging_table(args) -> list[dict]:
+  rows = []
+  for dtype_name in ("bfloat16", "float32"):
+    for setup in STAGING_SETUPS:
+      rows.append(in_subprocess(["--one-staging", setup, "--dtype", dtype_name, "--target", args.target]))
+  print(f"\nStreamed tiers' temporaries on 8 leaves of 2048 x 2048 (+ 8 biases), {args.target.upper()} target, "
+        f"abstract inputs; bf16 params take an fp32 master; moments fp32; bytes per parameter (a leaf's state: "
+        f"{rows[0]['largest_leaf_state_per_param']:.2f} bf16 + master, "
+        f"{rows[len(STAGING_SETUPS)]['largest_leaf_state_per_param']:.2f} fp32); compile-time figures, "
+        f"jax {jax.__version__}:\n")
+  print("| params | tier:kernel:path | device temp | host temp | transfers | host calls | fallback warnings |")
+  print("|---|---|---:|---:|---:|---:|---:|")
+  for r in rows:
+    print(f"| {r['dtype']} | {r['setup']} | {r['device_temp_per_param']:.2f} | {r['host_temp_per_param']:.2f} | "
+          f"{r['transfers']} | {r['host_calls']} | {r['warnings']} |")
   return rows
 
 
@@ -350,7 +407,11 @@ def main(argv=None):
   parser.add_argument("--scale", type=float, default=1.0, help="--step-table: shrink GPT-2-small's leaves")
   parser.add_argument("--inputs", choices=("real", "abstract"), default="real",
                       help="--step-table: real arrays (default) or ShapeDtypeStructs")
+  parser.add_argument("--staging-table", action="store_true",
+                      help="host_state / host / offload_fraction temporaries on 8 leaves of 2048 x 2048")
   parser.add_argument("--quick", action="store_true", help="a small run of both tables (a test)")
+  parser.add_argument("--one-staging", help=argparse.SUPPRESS)
+  parser.add_argument("--dtype", default="bfloat16", help=argparse.SUPPRESS)
   parser.add_argument("--one-setup", help=argparse.SUPPRESS)
   parser.add_argument("--one-step", help=argparse.SUPPRESS)
   args = parser.parse_args(argv)
@@ -361,6 +422,11 @@ def main(argv=None):
   if args.one_step:
     print(json.dumps(step_figures(args.one_step, args.scale, args.target, args.inputs)))
     return None
+  if args.one_staging:
+    print(json.dumps(staging_figures(args.one_staging, args.dtype, args.target)))
+    return None
+  if args.staging_table:
+    return dict(staging=staging_table(args))
   if args.quick:
     args.width, args.heads, args.seq_len, args.batch, args.max_layers = 256, 2, 128, 2, 2
     args.setups = "host"

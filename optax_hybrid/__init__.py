@@ -16,6 +16,9 @@ Public API:
 * :func:`commit`: commits what a jitted step takes (params, state, a
   ``TrainState``, an NNX model and optimizer), so that a step with state in
   host memory compiles once.
+* :func:`scan_layers`: ``jax.lax.scan`` over stacked layers that may live in
+  host memory: one layer on the device at a time, the gradient written where
+  the layers live (:mod:`optax_hybrid.streaming`).
 * :func:`host_arithmetic_outside_host_compute`: finds device arithmetic on
   host-resident values in a jaxpr.
 * :mod:`optax_hybrid.checkpoint`: Orbax save/restore that keeps memory kinds.
@@ -43,6 +46,7 @@ from optax_hybrid.placement import (
 from optax_hybrid.recipe import last_learning_rate, standard_optimizer
 from optax_hybrid.report import MemoryReport, memory_report
 from optax_hybrid.schedules import warmup_cosine_schedule
+from optax_hybrid.streaming import scan_layers
 from optax_hybrid.transform import HybridAdamState, HybridAdamW, hybrid_adamw, moment_values, scale_by_hybrid_adam
 
 __version__ = "0.1.0"
@@ -68,5 +72,6 @@ __all__ = [
     "host_arithmetic_outside_host_compute",
     "hybrid_adamw",
     "scale_by_hybrid_adam",
+    "scan_layers",
     "warmup_cosine_schedule",
 ]

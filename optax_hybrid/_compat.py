@@ -17,6 +17,7 @@ import numpy as np
 from jax import lax
 import jax.extend  # a submodule that ``import jax`` does not load
 from jax.experimental import compute_on as _compute_on_module
+from jax.experimental.layout import Layout as _Layout, with_layout_constraint as _with_layout_constraint
 
 # ``jax.memory.Space`` names the two memory spaces a jitted value can be typed
 # with. ``Host`` lowers to the ``pinned_host`` memory kind.
@@ -55,12 +56,29 @@ def host_compute(fn: Callable[..., Any], out_memory_spaces: Any) -> Callable[...
   """Wraps ``fn`` so that it runs on the host CPU (XLA host compute).
 
   Every array argument of the wrapped function must already live in host
-  memory; ``out_memory_spaces`` is a pytree prefix of ``fn``'s outputs giving
-  the memory space of each (``HOST`` keeps results in host memory).
+  memory (values computed on the device get there through
+  :func:`optax_hybrid.placement.to_host`, in the row-major layout);
+  ``out_memory_spaces`` is a pytree prefix of ``fn``'s outputs giving the
+  memory space of each (``HOST`` keeps results in host memory).
   """
-  return _host_compute_decorator(
-      fn, compute_type="device_host", out_memory_spaces=out_memory_spaces
-  )
+  return _host_compute_decorator(fn, compute_type="device_host", out_memory_spaces=out_memory_spaces)
+
+
+def row_major(x: Any, sharding: Any = None) -> Any:
+  """``x`` constrained to the row-major (default) layout, each shard of it for a multi-device ``sharding``.
+
+  A no-op for scalars and vectors. Under SPMD partitioning the layout
+  constraint is a custom call that the partitioner would give a whole
+  (gathered) operand, so a sharded value is constrained shard by shard
+  (``jax.shard_map`` over ``sharding``'s mesh and spec).
+  """
+  if np.ndim(x) < 2:
+    return x
+  constrain = lambda y: _with_layout_constraint(y, _Layout(tuple(range(np.ndim(y)))))
+  if isinstance(sharding, jax.sharding.NamedSharding) and sharding.num_devices > 1:
+    spec = sharding.spec
+    return jax.shard_map(constrain, mesh=sharding.mesh, in_specs=spec, out_specs=spec, check_vma=False)(x)
+  return constrain(x)
 
 
 def memory_space_of(x: Any) -> Any:

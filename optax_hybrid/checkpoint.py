@@ -37,8 +37,13 @@ Example:
 
 from __future__ import annotations
 
+import atexit
+import logging
 import math
 import os
+import threading
+import warnings
+import weakref
 from typing import Any, Callable
 
 import jax
@@ -82,7 +87,30 @@ def abstract_like(tree: Any) -> Any:
 
 
 def manager(directory: str | os.PathLike, *, max_to_keep: int | None = 3, save_interval_steps: int = 1):
-  """An Orbax ``CheckpointManager`` for ``directory`` (created if missing).
+  """An Orbax ``CheckpointManager`` for ``directory`` (created if missing), set up for jobs that crash.
+
+  Besides ``max_to_keep`` and ``save_interval_steps``, it differs from
+  Orbax's defaults in what happens when things go wrong:
+
+  * a save whose directory cannot be written (read-only, full, removed)
+    raises from :func:`save` itself: the step's directories are created in
+    the calling thread (``create_directories_asynchronously=False``). With
+    Orbax's default they are created in the background, and when that fails
+    Orbax's other save threads wait minutes for them, and the process cannot
+    exit meanwhile;
+  * temporary directories of saves that a killed process left unfinished are
+    removed when the next manager opens the directory
+    (``cleanup_tmp_directories``);
+  * a save still being written when the program ends is finished before the
+    interpreter shuts down (without it, the save fails midway with
+    ``cannot schedule new futures after shutdown`` and the step is lost): the
+    manager is closed at exit unless it was closed before; an error of that
+    save is logged there;
+  * the checkpoint's item handler is registered, so that a new process's
+    manager reads a step's tree metadata (and does not warn that it cannot).
+
+  Use it as a context manager (``with checkpoint.manager(d) as m:``), or call
+  ``close()``, to close it before exit.
 
   Raises:
     ValueError: if ``directory`` exists and is not a directory, or cannot be
@@ -95,8 +123,47 @@ def manager(directory: str | os.PathLike, *, max_to_keep: int | None = 3, save_i
   os.makedirs(directory, exist_ok=True)
   if not os.access(directory, os.W_OK):
     raise ValueError(f"checkpoint `directory`={directory!r} is not writable.")
-  options = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, save_interval_steps=save_interval_steps)
-  return ocp.CheckpointManager(directory, options=options)
+  options = ocp.CheckpointManagerOptions(
+      max_to_keep=max_to_keep, save_interval_steps=save_interval_steps, cleanup_tmp_directories=True,
+      async_options=ocp.AsyncOptions(create_directories_asynchronously=False))
+  # The handler of the checkpoint's one item, named up front: a manager that
+  # only learns it from its first save (a new process's does not) can neither
+  # read a step's tree metadata nor keep from warning that it cannot.
+  registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
+  registry.add("default", ocp.args.StandardSave)
+  registry.add("default", ocp.args.StandardRestore)
+  opened = ocp.CheckpointManager(directory, options=options, handler_registry=registry)
+  _close_at_exit(opened)
+  return opened
+
+
+_open_managers: "weakref.WeakSet[Any]" = weakref.WeakSet()
+_exit_hook: list = []  # [True] once registered
+
+
+def _close_at_exit(checkpoint_manager) -> None:
+  """Closes ``checkpoint_manager`` when the program ends, finishing a save still in flight."""
+  if not _exit_hook:
+    _exit_hook.append(True)
+    # Python runs threading's exit hooks (LIFO) before it joins non-daemon
+    # threads, and atexit's only after both; concurrent.futures' hook, which
+    # stops every executor Orbax's background save still needs, is one of
+    # threading's. Registered after it (Orbax is imported by now), ours runs
+    # first. threading._register_atexit is private (Python 3.9+), hence the
+    # fallback, which finishes what it can.
+    getattr(threading, "_register_atexit", atexit.register)(_close_open_managers)
+  _open_managers.add(checkpoint_manager)
+
+
+def _close_open_managers() -> None:
+  for checkpoint_manager in list(_open_managers):
+    try:
+      checkpoint_manager.close()  # waits for the save in flight; a no-op on a closed manager
+    except Exception:  # pylint: disable=broad-exception-caught
+      logging.getLogger(__name__).exception(
+          "the last save to %s failed: its step was not saved.",
+          checkpoint_manager.directory)
+    _open_managers.discard(checkpoint_manager)
 
 
 def _is_empty(x: Any) -> bool:
@@ -162,12 +229,19 @@ def save(checkpoint_manager, step: int, tree: Any, *, wait: bool = False) -> boo
   ``wait=True`` (or call ``checkpoint_manager.wait_until_finished()``) before
   relying on the files. Disk-tier moments are read from their files (named
   by the state's plan) into the checkpoint; other arrays with no elements
-  (empty entries) are saved as nothing.
+  (empty entries) are saved as nothing. A save that fails leaves the steps
+  saved before it intact; with a manager from :func:`manager`, a directory
+  that cannot be written raises here, and an error met while writing (as the
+  storage layer raised it, e.g. TensorStore's ``ValueError``) raises from
+  ``wait=True``, the next ``save`` or ``wait_until_finished()``, or is logged
+  at exit.
 
   Raises:
     ValueError: if the tree holds disk-tier moments without the plan that
       names their files (``nnx.state(optimizer)``): the message says what to
       save instead.
+    OSError: if the step's directory cannot be created (read-only, removed,
+      full).
   """
   ocp = _orbax()
   tree = jax.tree.map(_with_file_values, tree, is_leaf=_is_state)
@@ -194,6 +268,35 @@ def _names(key_path: Any) -> tuple:
   return tuple(_key_name(k) for k in key_path)
 
 
+class UnreadableCheckpointError(Exception):
+  """A checkpoint step that cannot be read: its metadata, or one of its arrays.
+
+  Its message's first line names the step, the array and the reason.
+
+  Attributes:
+    step: the step.
+    array: where the unreadable array is in ``like`` (e.g. ``"['params']['w']"``);
+      None when the step's metadata cannot be read (or, with several
+      processes, when the array was not singled out).
+    reason: why, as the storage layer said it (the innermost error's first line).
+  """
+
+  def __init__(self, message: str, *, step: int, array: str | None, reason: str):
+    super().__init__(message)
+    self.step, self.array, self.reason = step, array, reason
+
+
+def _innermost(error: BaseException) -> str:
+  """The first line of the error that started ``error``'s chain, with its type: the storage layer's reason."""
+  for _ in range(32):  # chains are short; a cycle must not loop forever
+    below = error.__cause__ or (None if error.__suppress_context__ else error.__context__)
+    if below is None:
+      break
+    error = below
+  lines = str(error).strip().splitlines()
+  return f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
+
+
 class _Saved:
   """What checkpoint ``step`` holds: its arrays' shapes and dtypes by key path (tuples of Orbax's names)."""
 
@@ -204,9 +307,11 @@ class _Saved:
     # Without tree metadata (an Orbax that keeps none) the checkpoint is taken
     # to match like's masters, as before masters could change across a restore.
     self.known = self.tree is not None
-    self.arrays = {} if not self.known else {
-        tuple(str(k) for k in key): (tuple(value.shape), np.dtype(value.dtype))
-        for key, value in ocp.tree.to_flat_dict(self.tree).items() if value is not None and hasattr(value, "shape")}
+    flat = {} if not self.known else {tuple(str(k) for k in key): value
+                                      for key, value in ocp.tree.to_flat_dict(self.tree).items() if value is not None}
+    self.keys = set(flat)
+    self.arrays = {key: (tuple(value.shape), np.dtype(value.dtype))
+                   for key, value in flat.items() if hasattr(value, "shape")}
 
   def node(self, names: tuple) -> Any:
     """The saved subtree at ``names``, or None where there is none."""
@@ -318,7 +423,7 @@ class _StateRestore:
 
 
 def restore(checkpoint_manager, like: Any, step: int | None = None, *,
-            masters_from: Callable[[Any], Any] | None = None) -> Any:
+            masters_from: Callable[[Any], Any] | None = None, skip_unreadable: bool = False) -> Any:
   """Restores checkpoint ``step`` (default: the latest) into the structure and placement of ``like``.
 
   ``like`` may be placed differently from what was saved: another tier or
@@ -334,6 +439,18 @@ def restore(checkpoint_manager, like: Any, step: int | None = None, *,
     into the leaf's state memory and discarded): the step continues from the
     params.
 
+  A step that cannot be read (a file cut short or missing, metadata that
+  does not parse) raises :class:`UnreadableCheckpointError`, whose first line
+  names the step, the array and the storage layer's reason. With
+  ``skip_unreadable=True`` restore takes the newest step that reads
+  completely instead, the way a training loop restarting on its own needs:
+  each newer step that does not is moved to ``<directory>/unreadable/<step>``
+  (kept for a person to look at, out of the manager's steps, so that the
+  run saves those steps again) and reported with a ``RuntimeWarning`` naming
+  the step, the array and the reason. ``checkpoint_manager.latest_step()`` is
+  then the step restored. Steps are moved only once an older one has read
+  completely into ``like``: a ``like`` that fits no step moves nothing.
+
   Args:
     checkpoint_manager: from :func:`manager`.
     like: a tree of arrays or ``ShapeDtypeStruct``s (e.g. a freshly initialized
@@ -342,13 +459,21 @@ def restore(checkpoint_manager, like: Any, step: int | None = None, *,
     step: which checkpoint; ``None`` for the latest complete one.
     masters_from: ``restored tree -> params``, used only for masters the
       checkpoint lacks: each is built from the param at its path.
+    skip_unreadable: restore the newest step that reads completely, moving
+      newer unreadable ones aside (above); with ``step=None`` only, and one
+      process (``jax.process_count() == 1``).
 
   Returns:
     The restored tree.
 
   Raises:
     FileNotFoundError: if there is no complete checkpoint (or not ``step``).
-    ValueError: if ``like`` keeps master weights the checkpoint lacks and no
+    UnreadableCheckpointError: if the step cannot be read (with
+      ``skip_unreadable``: if no step can).
+    ValueError: if ``like`` does not fit the checkpoint (a leaf of another
+      shape, or one the checkpoint lacks, or the reverse); if
+      ``skip_unreadable`` is combined with a ``step`` or several processes;
+      if ``like`` keeps master weights the checkpoint lacks and no
       ``masters_from`` is given, or ``masters_from`` does not return a param
       of the right shape for one of them; or if ``like`` holds disk-tier
       moments without the plan that names their files (``nnx.state(optimizer)``).
@@ -368,20 +493,81 @@ def restore(checkpoint_manager, like: Any, step: int | None = None, *,
     >>> restored["opt"].master["w"].dtype
     dtype('float32')
   """
-  ocp = _orbax()
-  if step is None:
-    step = checkpoint_manager.latest_step()
-    if step is None:
-      raise FileNotFoundError(f"no complete checkpoint in {checkpoint_manager.directory}")
-  elif step not in checkpoint_manager.all_steps():
-    raise FileNotFoundError(
-        f"no checkpoint for step {step} in {checkpoint_manager.directory}; "
-        f"complete steps: {sorted(checkpoint_manager.all_steps())}"
-    )
   if masters_from is not None and not callable(masters_from):
     raise TypeError("checkpoint.restore: `masters_from` must be a function of the restored tree that returns "
                     f"the params, e.g. lambda restored: restored['params']; got {masters_from!r}.")
-  saved = _Saved(checkpoint_manager, int(step))
+  steps = sorted(checkpoint_manager.all_steps(), reverse=True)
+  if skip_unreadable and step is not None:
+    raise ValueError(f"checkpoint.restore: `skip_unreadable` chooses the step (the newest that reads completely), "
+                     f"so it takes step=None, not step={step}.")
+  if skip_unreadable and jax.process_count() > 1:
+    raise ValueError("checkpoint.restore: `skip_unreadable` needs one process: with several, each would have to "
+                     "agree on which steps read on every process. Restore a given step instead.")
+  if step is None and not steps:
+    raise FileNotFoundError(f"no complete checkpoint in {checkpoint_manager.directory}")
+  if step is not None and step not in steps:
+    raise FileNotFoundError(
+        f"no checkpoint for step {step} in {checkpoint_manager.directory}; complete steps: {sorted(steps)}")
+  if not skip_unreadable:
+    return _restore_step(checkpoint_manager, like, steps[0] if step is None else int(step), masters_from)
+  return _restore_newest_readable(checkpoint_manager, like, steps, masters_from)
+
+
+def _restore_newest_readable(checkpoint_manager, like: Any, steps: list, masters_from: Any) -> Any:
+  """The newest of ``steps`` (newest first) that reads completely; newer unreadable ones moved aside and reported."""
+  unreadable = []
+  for step in steps:
+    try:
+      restored = _restore_step(checkpoint_manager, like, step, masters_from)
+    except UnreadableCheckpointError as e:
+      unreadable.append(e)
+      continue
+    for e in unreadable:
+      moved_to = _move_aside(checkpoint_manager, e.step)
+      warnings.warn(f"checkpoint.restore: skipped step {e.step}, restored step {step}: "
+                    f"{str(e).splitlines()[0]} Step {e.step} was moved to {moved_to}.", RuntimeWarning, stacklevel=3)
+    if unreadable:
+      checkpoint_manager.reload()  # its list of steps, without those moved
+    return restored
+  newest = unreadable[0]
+  raise UnreadableCheckpointError(
+      "\n".join([str(newest).splitlines()[0], "No step reads completely; the others:"] +
+                 [f"  {str(e).splitlines()[0]}" for e in unreadable[1:]]),
+      step=newest.step, array=newest.array, reason=newest.reason) from newest
+
+
+def _move_aside(checkpoint_manager, step: int) -> str:
+  """Moves checkpoint ``step`` to ``<directory>/unreadable/<step>`` (``<step>.<n>`` if taken); returns where."""
+  directory = checkpoint_manager.directory
+  aside = directory / "unreadable"  # not a step name: the manager no longer lists it
+  aside.mkdir(parents=True, exist_ok=True)
+  moved_to, n = aside / str(step), 0
+  while moved_to.exists():
+    n += 1
+    moved_to = aside / f"{step}.{n}"
+  (directory / str(step)).rename(moved_to)
+  return os.fspath(moved_to)
+
+
+def _unreadable(checkpoint_manager, step: int, what: str, reason: str, array: str | None = None
+                ) -> UnreadableCheckpointError:
+  """The error for an unreadable ``step``: the step, ``what`` failed and why on its first line, then the way on."""
+  older = sorted(s for s in checkpoint_manager.all_steps() if s < step)
+  way_on = (f"Older steps: {older}. To restore the newest step that reads completely instead, pass "
+            "skip_unreadable=True (unreadable steps are then moved to "
+            f"{checkpoint_manager.directory / 'unreadable'} and reported)." if older else "No older step to restore.")
+  return UnreadableCheckpointError(
+      f"checkpoint step {step} in {checkpoint_manager.directory} is unreadable: {what} cannot be read: {reason}\n"
+      f"{way_on}", step=step, array=array, reason=reason)
+
+
+def _restore_step(checkpoint_manager, like: Any, step: int, masters_from: Any) -> Any:
+  """Restores checkpoint ``step`` into ``like`` (see :func:`restore`); nothing is written before it has read."""
+  ocp = _orbax()
+  try:
+    saved = _Saved(checkpoint_manager, step)
+  except Exception as e:  # pylint: disable=broad-exception-caught
+    raise _unreadable(checkpoint_manager, step, "its metadata", _innermost(e)) from e
   like = abstract_like(like)
   entries, treedef = jax.tree_util.tree_flatten_with_path(like, is_leaf=_is_state)
   states = {}
@@ -406,7 +592,15 @@ def restore(checkpoint_manager, like: Any, step: int | None = None, *,
                      f"{', ...' if len(dropped) > 3 else ''}, where `like` has empty arrays: {_KEEP_THE_PLAN}")
   target = treedef.unflatten([states[j].target() if j in states else None if _is_empty(x) else x
                               for j, (_, x) in enumerate(entries)])
-  restored = checkpoint_manager.restore(int(step), args=ocp.args.StandardRestore(target))
+  # A `like` that does not fit is the caller's error, never the step's (and
+  # Orbax, finding it mid-read, leaves its other reads to complain at exit).
+  _check_like_fits(saved, target, step)
+  try:
+    restored = checkpoint_manager.restore(step, args=ocp.args.StandardRestore(target))
+  except Exception as e:  # pylint: disable=broad-exception-caught
+    array, reason = _first_unreadable(checkpoint_manager, step, target, e)
+    what = "its arrays" if array is None else f"array {array}"
+    raise _unreadable(checkpoint_manager, step, what, reason, array) from e
   params = {}
   if missing:
     params = {jax.tree_util.keystr(path): x
@@ -426,3 +620,59 @@ def restore(checkpoint_manager, like: Any, step: int | None = None, *,
     return _compat.match_type_to_sharding(x)
 
   return jax.tree.map(place, restored, like)
+
+
+def _check_like_fits(saved: _Saved, target: Any, step: int) -> None:
+  """Raises a ValueError naming the first place where ``target`` and checkpoint ``step`` differ in tree or shape."""
+  if not saved.known:
+    return
+  places = set()
+  for path, x in jax.tree_util.tree_flatten_with_path(target, is_leaf=lambda x: x is None)[0]:
+    names = _names(path)
+    places.add(names)
+    if x is None:
+      continue
+    if names not in saved.keys:
+      raise ValueError(f"checkpoint.restore: checkpoint step {step} holds nothing at like"
+                       f"{jax.tree_util.keystr(path)}; restore into the tree that was saved.")
+    shape = saved.arrays.get(names, (None,))[0]
+    if shape is not None and tuple(np.shape(x)) != shape:
+      raise ValueError(f"checkpoint.restore: like{jax.tree_util.keystr(path)} has shape {tuple(np.shape(x))} but "
+                       f"checkpoint step {step} holds shape {shape} there; restore into the tree that was saved.")
+  extra = sorted(key for key in saved.keys if not any(key[:n] in places for n in range(len(key) + 1)))
+  if extra:
+    raise ValueError(f"checkpoint.restore: checkpoint step {step} holds {'.'.join(extra[0])}, which `like` lacks; "
+                     "restore into the tree that was saved.")
+
+
+def _first_unreadable(checkpoint_manager, step: int, target: Any, error: Exception) -> tuple[str | None, str]:
+  """The first array of ``target`` that fails to read on its own, as ``(its path, why)``.
+
+  Found by halving the set read (about log2(n) + 1 restores, each array read
+  about once), so it holds whatever the storage layer's messages say. With
+  several processes each would probe on its own while the others wait in
+  Orbax's barriers: the error is reported as it came, ``(None, why)``, as when
+  no single array fails alone.
+  """
+  if jax.process_count() > 1:
+    return None, _innermost(error)
+  ocp = _orbax()
+  leaves, treedef = jax.tree_util.tree_flatten_with_path(target)
+
+  def read_fails(indices: list) -> Exception | None:
+    chosen = set(indices)
+    probe = treedef.unflatten([x if i in chosen else None for i, (_, x) in enumerate(leaves)])
+    try:
+      checkpoint_manager.restore(step, args=ocp.args.StandardRestore(probe))
+    except Exception as e:  # pylint: disable=broad-exception-caught
+      return e
+    return None
+
+  candidates = list(range(len(leaves)))
+  while len(candidates) > 1:
+    half = candidates[:len(candidates) // 2]
+    candidates = half if read_fails(half) is not None else candidates[len(half):]
+  failed = read_fails(candidates) if candidates else None
+  if failed is None:
+    return None, _innermost(error)
+  return jax.tree_util.keystr(leaves[candidates[0]][0]), _innermost(failed)

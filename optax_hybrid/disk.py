@@ -3,7 +3,7 @@
 Like DeepSpeed's ZeRO-Infinity NVMe offload and the ``nvme_offload_fraction``
 of ColossalAI's HybridAdam, a leaf in the ``"disk"`` tier holds no moment
 arrays between steps: its plan holds a :class:`DiskMoment` per moment (static
-data: a file name, a shape and a dtype; :func:`files_of` lists them), the
+data: its place in a file, a shape and a dtype; :func:`files_of` lists them), the
 state's ``mu`` and ``nu`` hold an empty entry for it (an array of no bytes,
 so that every params-shaped field has one array per param:
 :func:`optax_hybrid.placement.empty_entry`), and the jitted step reads the
@@ -19,33 +19,38 @@ memory during the step, and the step runs there, as for ``host_state``; between
 steps they use no memory at all. The callbacks run once per computation, not
 per device: the disk tier is for single-device params.
 
-Files live in one directory per optimizer (``nvme_offload_dir``, or a new
-temporary directory), are created with owner-only permissions (0600) and
-``O_EXCL``, are always opened with ``O_NOFOLLOW`` (a symlink planted in their
-place is refused, never followed), and are removed by :meth:`DiskStore.close`,
-by ``tx.close()``, or at interpreter exit.
+Each optimizer keeps its disk-tier moments in one file, at their own offsets,
+in ``nvme_offload_dir`` (or the system's temporary directory). The file never
+has a name: it is made with ``O_TMPFILE`` where the file system supports it
+(``tempfile.TemporaryFile``; elsewhere it is unlinked the moment it is made),
+owner-only (0600), and read and written through its descriptor alone. So no
+name leads to it, no symlink can be planted in its place, and its
+space is freed when :meth:`DiskStore.close` or ``tx.close()`` closes it, or when
+the process ends however it ends (a ``SIGKILL`` included): a crashed run leaves
+no file behind to reclaim, and one run never touches another's moments.
 """
 
 from __future__ import annotations
 
-import atexit
 import concurrent.futures
+import contextlib
 import dataclasses
 import itertools
 import os
-import stat
 import tempfile
 import threading
 import weakref
-from typing import Any
+from typing import Any, Iterator
 
 import jax
 import numpy as np
 from jax.experimental import io_callback
 
-_OPEN_FLAGS = os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
-_names = itertools.count()
-# File reads and writes release the GIL: a few threads keep several files in flight.
+# Moments start on page boundaries, so each one's I/O is page-aligned.
+_ALIGNMENT = 4096
+_store_numbers = itertools.count()
+_open_stores: dict[int, "_OpenFile"] = {}  # DiskStore number -> its open file, until closed
+# File reads and writes release the GIL: a few threads keep several moments in flight.
 _io_pool = concurrent.futures.ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1),
                                                  thread_name_prefix="optax_hybrid_disk")
 
@@ -53,15 +58,17 @@ _io_pool = concurrent.futures.ThreadPoolExecutor(max_workers=min(8, os.cpu_count
 @jax.tree_util.register_static
 @dataclasses.dataclass(frozen=True)
 class DiskMoment:
-  """A moment stored in a file: what the state holds for a disk-tier leaf (no arrays).
+  """A moment stored on disk: what the state holds for a disk-tier leaf (no arrays).
 
   Attributes:
-    path: the file.
+    store: the number of the :class:`DiskStore` whose file holds it.
+    offset: where the moment starts in that file, in bytes.
     shape: the moment's shape.
     dtype: the moment's dtype name.
   """
 
-  path: str
+  store: int
+  offset: int
   shape: tuple[int, ...]
   dtype: str
 
@@ -71,7 +78,7 @@ class DiskMoment:
 
 
 def files_of(state: Any, field: str = "mu") -> Any:
-  """The files of a ``HybridAdamState``'s disk-tier moments, shaped like the params.
+  """The :class:`DiskMoment` of a ``HybridAdamState``'s disk-tier moments, shaped like the params.
 
   Args:
     state: a state made by ``hybrid_adamw(...).init``.
@@ -115,35 +122,66 @@ def check_directory(directory: str | os.PathLike) -> str:
   return path
 
 
-class DiskStore:
-  """The files of one optimizer's disk-tier moments."""
+class _OpenFile:
+  """A store's file, closed only once no read or write is using its descriptor.
 
-  def __init__(self, directory: str | os.PathLike | None):
-    self._own_directory = directory is None
-    if directory is None:
-      directory = tempfile.mkdtemp(prefix="optax_hybrid_nvme_")  # mode 0700
-    self.directory = os.path.realpath(check_directory(directory))
-    self._files: list[str] = []
-    self._lock = threading.Lock()
-    self._finalizer = weakref.finalize(self, _remove, self._files, self.directory, self._own_directory)
-    atexit.register(self._finalizer)
+  A descriptor number closed mid-read could be reused by another file at once:
+  the wait keeps a late read or write from ever reaching that file.
+  """
 
-  def create(self, shape: tuple[int, ...], dtype: Any) -> DiskMoment:
-    """A new zero-filled file for one moment."""
-    dtype = np.dtype(dtype)
-    name = f"moment_{os.getpid()}_{next(_names)}.bin"
-    path = os.path.join(self.directory, name)
-    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY | _OPEN_FLAGS, 0o600)
+  def __init__(self, file: Any):
+    self._file, self._users, self._closed = file, 0, False
+    self._changed = threading.Condition()
+
+  @contextlib.contextmanager
+  def descriptor(self) -> Iterator[int]:
+    with self._changed:
+      if self._closed:
+        raise ValueError("optax_hybrid disk tier: these moments were removed by tx.close().")
+      self._users += 1
     try:
-      os.ftruncate(fd, int(np.prod(shape)) * dtype.itemsize)  # reads back as zeros
+      yield self._file.fileno()
     finally:
-      os.close(fd)
-    with self._lock:
-      self._files.append(path)
-    return DiskMoment(path, tuple(int(d) for d in shape), dtype.name)
+      with self._changed:
+        self._users -= 1
+        self._changed.notify_all()
 
   def close(self) -> None:
-    """Removes every file (and the directory, if this store created it)."""
+    with self._changed:
+      self._closed = True
+      self._changed.wait_for(lambda: self._users == 0)
+      self._file.close()
+
+
+class DiskStore:
+  """The file of one optimizer's disk-tier moments: nameless, so it ends with its process.
+
+  Args:
+    directory: where the file's blocks live (``nvme_offload_dir``); None for
+      the system's temporary directory (``tempfile.gettempdir()``).
+  """
+
+  def __init__(self, directory: str | os.PathLike | None):
+    self.directory = os.path.realpath(tempfile.gettempdir() if directory is None else check_directory(directory))
+    self.number = next(_store_numbers)
+    self._size = 0
+    self._lock = threading.Lock()
+    _open_stores[self.number] = _OpenFile(tempfile.TemporaryFile(dir=self.directory))
+    self._finalizer = weakref.finalize(self, _close, self.number)  # also run at interpreter exit
+
+  def create(self, shape: tuple[int, ...], dtype: Any) -> DiskMoment:
+    """Room for one more moment in the file, reading as zeros."""
+    dtype = np.dtype(dtype)
+    shape = tuple(int(d) for d in shape)
+    with self._lock:
+      offset = -(-self._size // _ALIGNMENT) * _ALIGNMENT
+      self._size = offset + int(np.prod(shape)) * dtype.itemsize
+      with _open_file(self.number).descriptor() as fd:
+        os.ftruncate(fd, self._size)  # the new bytes read back as zeros
+    return DiskMoment(self.number, offset, shape, dtype.name)
+
+  def close(self) -> None:
+    """Closes the file, which frees its space."""
     self._finalizer()
 
   @property
@@ -151,55 +189,46 @@ class DiskStore:
     return not self._finalizer.alive
 
 
-def _remove(files: list[str], directory: str, own_directory: bool) -> None:
-  for path in files:
-    try:
-      os.unlink(path)
-    except FileNotFoundError:
-      pass
-  files.clear()
-  if own_directory:
-    try:
-      os.rmdir(directory)
-    except OSError:
-      pass
+def _close(number: int) -> None:
+  _open_stores.pop(number).close()
 
 
-def _open_regular(path: str, flags: int) -> int:
-  fd = os.open(path, flags | _OPEN_FLAGS)
-  if not stat.S_ISREG(os.fstat(fd).st_mode):
-    os.close(fd)
-    raise OSError(f"optax_hybrid disk tier: {path} is not a regular file")
-  return fd
+def _open_file(number: int) -> _OpenFile:
+  try:
+    return _open_stores[number]
+  except KeyError:
+    raise ValueError("optax_hybrid disk tier: these moments were removed by tx.close().") from None
 
 
 def read(moment: DiskMoment) -> np.ndarray:
-  """The moment's current value."""
+  """The moment's current value.
+
+  Raises:
+    ValueError: if its optimizer was closed (``tx.close()``).
+  """
   out = np.empty(moment.shape, np.dtype(moment.dtype))
-  fd = _open_regular(moment.path, os.O_RDONLY)
-  try:
-    view = memoryview(out.reshape(-1).view(np.uint8))
+  view = memoryview(out.reshape(-1).view(np.uint8))
+  with _open_file(moment.store).descriptor() as fd:
     done = 0
     while done < len(view):
-      n = os.readv(fd, [view[done:]])
+      n = os.preadv(fd, [view[done:]], moment.offset + done)
       if n == 0:
-        raise OSError(f"optax_hybrid disk tier: {moment.path} is shorter than {moment.nbytes} bytes")
+        raise OSError(f"optax_hybrid disk tier: the file ends before the {moment.nbytes} bytes of {moment}")
       done += n
-  finally:
-    os.close(fd)
   return out
 
 
 def write(moment: DiskMoment, value: np.ndarray) -> None:
-  """Overwrites the moment's file with ``value``."""
+  """Overwrites the moment with ``value``.
+
+  Raises:
+    ValueError: if its optimizer was closed (``tx.close()``).
+  """
   data = memoryview(np.ascontiguousarray(value, np.dtype(moment.dtype)).reshape(-1).view(np.uint8))
-  fd = _open_regular(moment.path, os.O_WRONLY)
-  try:
+  with _open_file(moment.store).descriptor() as fd:
     done = 0
     while done < len(data):
-      done += os.write(fd, data[done:])
-  finally:
-    os.close(fd)
+      done += os.pwrite(fd, data[done:], moment.offset + done)
 
 
 def load_in_step(moments: list[DiskMoment], after: jax.Array) -> list[jax.Array]:

@@ -64,6 +64,7 @@ __all__ = [
     "GpuCompileError",
     "GpuCompileReport",
     "HloSummary",
+    "LoopTransfers",
     "TARGETS",
     "compile_for_gpu",
     "compile_lowered",
@@ -71,6 +72,7 @@ __all__ = [
     "cuda_plugin_dir",
     "install_cuda_plugin",
     "load_target",
+    "loop_transfers",
     "target_device_memory_bytes",
 ]
 
@@ -399,28 +401,100 @@ class HloSummary:
   kernel_bytes: int
   kernel_ops: dict
   transfer_bytes: int = 0
+  to_device_bytes: int = 0
+  to_host_bytes: int = 0
+
+
+def _top_level(shape: str) -> list[str]:
+  """The elements of a tuple shape ``(a, (b, c), d)``; ``[shape]`` for an array shape."""
+  shape = shape.strip()
+  if not shape.startswith("("):
+    return [shape]
+  parts, depth, begin = [], 0, 1
+  for i, c in enumerate(shape):
+    depth += (c in "({[") - (c in ")}]")
+    if (c == "," and depth == 1) or (depth == 0 and c == ")"):
+      parts.append(shape[begin:i].strip())
+      begin = i + 1
+  return [p for p in parts if p]
+
+
+def _trip_count(rest: str) -> int:
+  """A ``while`` op's known trip count (its backend config), 1 when XLA does not know it."""
+  match = re.search(r'"known_trip_count":\{"n":"(\d+)"', rest)
+  return int(match.group(1)) if match else 1
+
+
+def _moved(nbytes: int, to_host: bool) -> tuple[int, int]:
+  """``(to_device, to_host)`` bytes of one transfer."""
+  return (0, nbytes) if to_host else (nbytes, 0)
+
+
+def _transfer_of(ins: _Instruction, shapes: dict) -> tuple[int, int] | None:
+  """``(to_device, to_host)`` bytes a transfer instruction moves across the link, None if it is no transfer."""
+  operands = [shapes.get(o, "") for o in _operand_names(ins.rest)]
+  if ins.opcode == "copy-start":  # (destination, source, context)
+    destination = _top_level(ins.shape)[0]
+    return _moved(_array_bytes(operands[0] if operands else ""), any(_in_host_memory(destination)))
+  if ins.opcode == "fusion-start" and re.search(r"calls=%?wrapped_dynamic-(update-)?slice", ins.rest):
+    # An asynchronous slice copy: ((operands...), result, context).
+    parts = _top_level(ins.shape)
+    result = parts[1] if len(parts) > 2 else ""
+    if "dynamic-update-slice" in ins.rest:  # the update (operand 1) into a buffer in the result's memory
+      update = operands[1] if len(operands) > 1 else ""
+      if any(_in_host_memory(update)) != any(_in_host_memory(result)):
+        return _moved(_array_bytes(update), any(_in_host_memory(result)))
+      return None
+    source = operands[0] if operands else ""
+    if any(_in_host_memory(source)) != any(_in_host_memory(result)):
+      return _moved(_array_bytes(result), any(_in_host_memory(result)))
+    return None
+  if ins.opcode in _TRANSFER_OPS:
+    spaces = set(_in_host_memory(ins.shape)) | {h for o in operands for h in _in_host_memory(o)}
+    if len(spaces) > 1:
+      moved = operands[1:2] if ins.opcode == "dynamic-update-slice" else [ins.shape]
+      return _moved(sum(_array_bytes(x) for x in moved), any(_in_host_memory(ins.shape)))
+  return None
+
+
+def _host_call_bytes(ins: _Instruction) -> tuple[int, int]:
+  """``(to_device, to_host)`` bytes a host call reads from and writes into device memory.
+
+  An asynchronous host call's shape is ``((inputs...), (outputs...), context)``:
+  an input in device memory is read across the link, an output in device
+  memory is written across it (a new param the host computed, say).
+  """
+  parts = _top_level(ins.shape)
+  if ins.opcode not in ("call-start", "custom-call-start") or len(parts) < 2:
+    return 0, 0
+  device_bytes = lambda group: sum(_array_bytes(x) for x in _top_level(group) if not any(_in_host_memory(x)))
+  return device_bytes(parts[1]), device_bytes(parts[0])
 
 
 def count_hlo(text: str) -> HloSummary:
   """Counts the device kernels, transfers and host calls of an optimized HLO module.
 
-  Rules (static: a kernel inside a ``while`` body counts once, not per trip):
+  Rules:
 
   * The entry computation and the bodies of its control flow (``while``,
     ``conditional``, ``call``) run on the device. Each of their instructions
     is a kernel launch unless it is bookkeeping (parameter, constant, tuple,
     get-tuple-element, bitcast, barrier), control flow, or asynchronous
-    (``copy-start``/``copy-done``, host ``call-start``/``call-done``,
-    send/recv). So fusions, custom calls (cuBLAS, cuDNN, Triton — the Pallas
-    kernels are ``__gpu$xla.gpu.triton`` custom calls), collectives and any
-    unfused op (a ``copy``, a ``sort``) each count one.
+    (``copy-start``/``copy-done``, asynchronous slice copies, host
+    ``call-start``/``call-done``, send/recv). So fusions, custom calls
+    (cuBLAS, cuDNN, Triton — the Pallas kernels are
+    ``__gpu$xla.gpu.triton`` custom calls), collectives and any unfused op (a
+    ``copy``, a ``sort``) each count one. Counts are static: an instruction
+    inside a ``while`` body counts once, not per trip.
   * ``triton_launches``: custom calls to ``__gpu$xla.gpu.triton`` and fusions
     that XLA emits with Triton (``"kind":"__triton..."``).
   * ``transfers``: host<->device copies: every ``copy-start`` (XLA:GPU emits
-    them only between memory spaces), plus synchronous ``copy``,
-    ``dynamic-slice`` and ``dynamic-update-slice`` ops whose operands and result
-    are not all in the same memory space (layout ``S(5)`` is host memory).
-    Synchronous ones are kernels too.
+    them only between memory spaces), asynchronous ``dynamic-slice`` /
+    ``dynamic-update-slice`` copies between the memory spaces (a layer's slice
+    brought in from a stack in host memory, a gradient slice written out), and
+    synchronous ``copy``, ``dynamic-slice`` and ``dynamic-update-slice`` ops
+    whose operands and result are not all in the same memory space (layout
+    ``S(5)`` is host memory). Synchronous ones are kernels too.
   * ``host_calls``: computations run on the host CPU: XLA host compute
     (``custom-call-start`` to ``HostExecute``, or any call whose backend config
     says ``DEVICE_TYPE_HOST``) and custom calls to Python host callbacks
@@ -431,10 +505,13 @@ def count_hlo(text: str) -> HloSummary:
   * ``kernel_bytes``: over the kernels, the bytes of their operands plus their
     results: a compile-time proxy for the memory traffic. It overcounts
     in-place updates of part of a buffer and ignores caching.
-  * ``transfer_bytes``: the bytes the transfers move across the host-device
-    link (a ``copy-start``'s operand; a synchronous transfer's result, or the
-    update of a ``dynamic-update-slice``), each counted once per step (a
-    transfer inside a ``while`` body once, not per trip).
+  * ``to_device_bytes``, ``to_host_bytes``: the bytes that cross the
+    host-device link per step in each direction: each transfer's payload (a
+    ``copy-start``'s operand; a slice copy's slice; a synchronous transfer's
+    result, or the update of a ``dynamic-update-slice``), plus what host calls
+    read from and write into device memory; an instruction inside a ``while``
+    body counts once per trip (the loop's known trip count).
+    ``transfer_bytes`` is their sum.
 
   Args:
     text: the optimized HLO module(s) as text (``exe.hlo_modules()``'s
@@ -445,35 +522,40 @@ def count_hlo(text: str) -> HloSummary:
     calls by target) to its count.
   """
   computations, entry = _parse_hlo(text)
-  kernels = triton = transfers = host_calls = kernel_bytes = transfer_bytes = 0
+  kernels = triton = transfers = host_calls = kernel_bytes = to_device = to_host = 0
   ops: dict[str, int] = {}
   if entry is None:
     return HloSummary(0, 0, 0, 0, 0, {})
   seen = set()
-  todo = [entry]
+  todo = [(entry, 1)]  # (computation, trips per step)
   while todo:
-    name = todo.pop()
+    name, trips = todo.pop()
     if name in seen or name not in computations:
       continue
     seen.add(name)
     shapes = {ins.name: ins.shape for ins in computations[name]}
     for ins in computations[name]:
       host_device = "DEVICE_TYPE_HOST" in ins.rest
-      if ins.opcode in ("call-start", "call") and host_device:
+      target = (re.search(r'custom_call_target="([^"]+)"', ins.rest) or [None, "?"])[1]
+      if (ins.opcode in ("call-start", "call") and host_device) or (
+          ins.opcode == "custom-call-start" and any(t in target for t in _HOST_CALLBACK_TARGETS)):
         host_calls += 1
+        down, up = _host_call_bytes(ins)
+        to_device, to_host = to_device + trips * down, to_host + trips * up
         continue
       if ins.opcode in _CONTROL_FLOW:
-        todo += _called(ins.rest)
+        inner = trips * _trip_count(ins.rest) if ins.opcode == "while" else trips
+        todo += [(called, inner) for called in _called(ins.rest)]
         continue
-      if ins.opcode == "copy-start":
+      moved = _transfer_of(ins, shapes)
+      if moved is not None:
         transfers += 1
-        transfer_bytes += sum(_array_bytes(shapes.get(o, "")) for o in _operand_names(ins.rest)[:1])
-        continue
-      if ins.opcode in _NOT_KERNELS:
+        to_device, to_host = to_device + trips * moved[0], to_host + trips * moved[1]
+      if ins.opcode in _NOT_KERNELS or ins.opcode in ("fusion-done",) or (
+          ins.opcode == "fusion-start" and moved is not None):
         continue
       operands = [shapes.get(o, "") for o in _operand_names(ins.rest)]
       if ins.opcode in ("custom-call", "custom-call-start"):
-        target = (re.search(r'custom_call_target="([^"]+)"', ins.rest) or [None, "?"])[1]
         if host_device or any(t in target for t in _HOST_CALLBACK_TARGETS):
           host_calls += 1
           continue
@@ -482,18 +564,95 @@ def count_hlo(text: str) -> HloSummary:
       else:
         key = ins.opcode
         triton += ins.opcode == "fusion" and '"kind":"__triton' in ins.rest
-      if ins.opcode in _TRANSFER_OPS:
-        spaces = set(_in_host_memory(ins.shape)) | {s for o in operands for s in _in_host_memory(o)}
-        transfers += len(spaces) > 1
-        if len(spaces) > 1:
-          moved = operands[1:2] if ins.opcode == "dynamic-update-slice" else [ins.shape]
-          transfer_bytes += sum(_array_bytes(x) for x in moved)
-        if spaces == {True}:
-          key += " (host->host)"
+      if ins.opcode in _TRANSFER_OPS and {h for x in [ins.shape] + operands for h in _in_host_memory(x)} == {True}:
+        key += " (host->host)"
       kernels += 1
       ops[key] = ops.get(key, 0) + 1
       kernel_bytes += _array_bytes(ins.shape) + sum(_array_bytes(o) for o in operands)
-  return HloSummary(kernels, triton, transfers, host_calls, kernel_bytes, dict(sorted(ops.items())), transfer_bytes)
+  return HloSummary(kernels, triton, transfers, host_calls, kernel_bytes, dict(sorted(ops.items())),
+                    to_device + to_host, to_device, to_host)
+
+
+@dataclasses.dataclass(frozen=True)
+class LoopTransfers:
+  """The host->device slice copies of one ``while`` body, in schedule order (:func:`loop_transfers`).
+
+  Attributes:
+    body: the body computation's name.
+    trips: its known trip count (1 when unknown).
+    fetches: the asynchronous slice copies into device memory it starts.
+    overlapped: how many of them have a device kernel scheduled between their
+      start and their done: the copy runs while the device computes.
+    carried: how many of them are used only in the next trip (their result
+      goes to the loop's carry, not to this trip's arithmetic): a prefetch.
+  """
+
+  body: str
+  trips: int
+  fetches: int
+  overlapped: int
+  carried: int
+
+
+def loop_transfers(text: str) -> list[LoopTransfers]:
+  """The slice copies host -> device of each ``while`` body of an optimized (scheduled) HLO module.
+
+  XLA schedules a module before it emits it, so the order of a computation's
+  instructions in the text is the order they run in. A body that fetches the
+  next trip's slice while it computes on this trip's shows ``carried`` copies
+  that are ``overlapped``.
+
+  Args:
+    text: the optimized HLO module(s) as text.
+
+  Returns:
+    One :class:`LoopTransfers` per ``while`` body that fetches anything.
+  """
+  computations, _ = _parse_hlo(text)
+  trips = {}
+  for instructions in computations.values():
+    for ins in instructions:
+      if ins.opcode == "while":
+        for body in re.findall(r"body=%?([\w.\-]+)", ins.rest):
+          trips[body] = _trip_count(ins.rest)
+  out = []
+  for body, count in trips.items():
+    instructions = computations.get(body, [])
+    shapes = {ins.name: ins.shape for ins in instructions}
+    users: dict[str, list[str]] = {}
+    for ins in instructions:
+      for operand in _operand_names(ins.rest):
+        users.setdefault(operand, []).append(ins.name)
+    root = instructions[-1].name if instructions else None
+    position = {ins.name: k for k, ins in enumerate(instructions)}
+    fetches = overlapped = carried = 0
+    for k, ins in enumerate(instructions):
+      moved = _transfer_of(ins, shapes) if ins.opcode == "fusion-start" else None
+      if not moved or not moved[0]:
+        continue
+      fetches += 1
+      done = next((u for u in users.get(ins.name, []) if u.startswith(ins.name.replace("-start", "-done"))
+                   or "done" in u), None)
+      if done is None:
+        continue
+      between = instructions[k + 1:position[done]]
+      overlapped += any(i.opcode in ("fusion", "custom-call") and "wrapped_dynamic" not in i.rest for i in between)
+      # Follow bitcasts and copies: a prefetch reaches the root tuple (the next trip) without arithmetic.
+      frontier, reaches_root, computes = [done], False, False
+      while frontier:
+        name = frontier.pop()
+        for user in users.get(name, []):
+          opcode = instructions[position[user]].opcode
+          if user == root:
+            reaches_root = True
+          elif opcode in ("bitcast", "copy", "get-tuple-element", "tuple"):
+            frontier.append(user)
+          else:
+            computes = True
+      carried += reaches_root and not computes
+    if fetches:
+      out.append(LoopTransfers(body, count, fetches, overlapped, carried))
+  return out
 
 
 # --- the report ---------------------------------------------------------------
@@ -515,7 +674,8 @@ class GpuCompileReport:
       memory the executable needs at once (an upper bound XLA plans for).
     host_peak_bytes: the same for host memory.
     kernels, triton_launches, transfers, host_calls, kernel_bytes,
-      kernel_ops, transfer_bytes: from the optimized HLO, see :func:`count_hlo`.
+      kernel_ops, transfer_bytes, to_device_bytes, to_host_bytes: from the
+      optimized HLO, see :func:`count_hlo`.
     warnings: the host-offloader fallback lines XLA logged ("does device
       compute in host memory space ... Converting into host compute"): each is
       a value in host memory computed on slowly by the host.
@@ -543,6 +703,8 @@ class GpuCompileReport:
   log: str = dataclasses.field(repr=False)
   hlo: str = dataclasses.field(repr=False)
   transfer_bytes: int = 0
+  to_device_bytes: int = 0
+  to_host_bytes: int = 0
 
   @property
   def device_peak_bytes(self) -> int:
@@ -609,8 +771,9 @@ def compile_for_gpu(fn: Callable, *args: Any, target: str = "h100", num_devices:
   Example::
 
     tx = optax_hybrid.hybrid_adamw(1e-3, tiers="host")
-    params = {"w": jax.ShapeDtypeStruct((4096, 4096), jnp.float32)}
-    state = jax.eval_shape(tx.init, params)
+    params = {"w": jax.ShapeDtypeStruct((4096, 4096), jnp.float32,
+                                        sharding=jax.sharding.SingleDeviceSharding(jax.devices()[0]))}
+    state = tx.init(params)  # not jax.eval_shape(tx.init, ...): JAX 0.10 drops its memory kinds
     report = compile_for_gpu(tx.step, params, state, params, target="h200", donate_argnums=(0, 1))
     report.device_peak_bytes, report.host_temp_bytes, report.warnings
   """
@@ -673,5 +836,6 @@ def compile_lowered(lowered: Any, target: str = "h100", num_devices: int = 1) ->
       host_temp_bytes=stats.host_temp_size_in_bytes, host_alias_bytes=stats.host_alias_size_in_bytes,
       kernels=summary.kernels, triton_launches=summary.triton_launches, transfers=summary.transfers,
       host_calls=summary.host_calls, kernel_bytes=summary.kernel_bytes, kernel_ops=summary.kernel_ops,
-      transfer_bytes=summary.transfer_bytes,
+      transfer_bytes=summary.transfer_bytes, to_device_bytes=summary.to_device_bytes,
+      to_host_bytes=summary.to_host_bytes,
       warnings=warnings, log=log, hlo=hlo)

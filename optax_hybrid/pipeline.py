@@ -22,7 +22,7 @@ from optax_hybrid import _compat, disk, placement
 from optax_hybrid._compat import DEVICE, HOST
 from optax_hybrid.kernels import AdamScalars, LeafFacts, LeafOperands, Rule, kernels_for, quantized, reference
 from optax_hybrid.kernels.contract import per_platform
-from optax_hybrid.plan import STREAM_LAG, LeafPlan, Plan, check_inexact_leaves
+from optax_hybrid.plan import STREAM_WAITS, LeafPlan, Plan, check_inexact_leaves
 
 
 class LeafIn(NamedTuple):
@@ -188,48 +188,92 @@ def run_groups(leaves: list[LeafIn], plan: Plan, s: AdamScalars, *, adamw_mode: 
                fused: bool) -> list[LeafOut]:
   """Runs every group of leaves (:attr:`LeafPlan.group`) where its plan says; results in leaf order.
 
-  Groups run in the order of their first leaf. A streamed group's transfers
-  wait for the results of the group :data:`STREAM_LAG` stages before it in
-  the same place (2 on the device, 1 on the host), which bounds what is
+  Groups run in the order of their first leaf. A streamed stage's transfers
+  wait (:func:`_after`) for the previous stage's arithmetic and for the stage
+  before that to be stored back where its state lives, which bounds what is
   staged (:mod:`optax_hybrid.plan`). For the Optax contract, a mastered
   leaf's update is then ``new_param - param`` (:func:`_master_updates`).
   The groups share nothing but the step's scalars, so XLA may run the host's
   and the device's at the same time.
   """
-  outs: list = [None] * len(leaves)
   members: dict[tuple, list[int]] = {}
   for i, leaf in enumerate(plan.leaves):
     members.setdefault(leaf.group, []).append(i)
-  for key, idx in members.items():
-    where, stage, _ = key
+  at = lambda i, where, stage: (plan.leaves[i].streamed and plan.leaves[i].runs_on == where
+                                and plan.leaves[i].stage == stage)
+  computed: dict[int, tuple] = {}  # leaf -> its results where it ran, until stored back
+  outs: list = [None] * len(leaves)
+
+  def stored(i):
+    if outs[i] is None:
+      outs[i] = _store(plan.leaves[i], leaves[i], computed.pop(i))
+    return outs[i]
+
+  for (where, stage, _), idx in members.items():
     group_in = [leaves[i] for i in idx]
-    lag = STREAM_LAG[where]
-    if plan.leaves[idx[0]].streamed and stage >= lag:
-      before = [i for (w, st, _), js in members.items() if w == where and st == stage - lag for i in js]
-      earlier, group_in = lax.optimization_barrier(([outs[i] for i in before], group_in))
-      for i, out in zip(before, earlier):
-        outs[i] = out
-    results = _run_group([plan.leaves[i] for i in idx], group_in, plan, s, adamw_mode=adamw_mode,
-                         write_params=write_params, fused=fused)
-    for i, out in zip(idx, results):
-      outs[i] = out
+    if plan.leaves[idx[0]].streamed and stage > 0:
+      computed_back, stored_back = STREAM_WAITS[where]
+      previous = [i for i in computed if computed_back and at(i, where, stage - computed_back)]
+      older = [i for i in range(len(leaves)) if at(i, where, stage - stored_back)]
+      for i in older:
+        stored(i)
+      group_in = _after(group_in, previous, older, computed, outs)
+    for i, result in zip(idx, _run_group([plan.leaves[i] for i in idx], group_in, plan, s, adamw_mode=adamw_mode,
+                                          write_params=write_params, fused=fused)):
+      computed[i] = result
+  for i in list(computed):
+    stored(i)
   if not write_params:
     outs = _master_updates(outs, leaves, plan)
   return outs
 
 
+def _after(group_in: list, previous: list[int], older: list[int], computed: dict, outs: list) -> list:
+  """``group_in`` ordered after the arithmetic of ``previous`` and the stored results of ``older``.
+
+  A stage's copies in then start once the stage before it has computed (its
+  results may still be crossing back: the link carries both directions at
+  once) and the stage before that is stored back, so at most two stages'
+  inputs and one stage's results are staged at a time, whatever order XLA
+  schedules the rest in (``lax.optimization_barrier``: every output waits for
+  every input). The waited-for values are replaced by the barrier's outputs,
+  so the order stays in the program.
+  """
+  (done, stored), group_in = lax.optimization_barrier(
+      (([computed[i] for i in previous], [outs[i] for i in older]), group_in))
+  for i, value in zip(previous, done):
+    computed[i] = value
+  for i, value in zip(older, stored):
+    outs[i] = value
+  return group_in
+
+
+def _store(lp: LeafPlan, leaf: LeafIn, result: tuple) -> LeafOut:
+  """One leaf's results moved from where they were computed to where they live."""
+  first, mu, nu, master = result
+
+  def back(x, like):
+    return jax.tree.map(lambda a, b: _compat.move(a, _compat.memory_space_of(b)), x, like)
+
+  return LeafOut(_compat.move(first, placement.space_of_kind(lp.param_kind)), back(mu, leaf.mu),
+                 back(nu, leaf.nu), back(master, leaf.master))
+
+
 def _run_group(plans: Sequence[LeafPlan], leaves: Sequence[LeafIn], plan: Plan, s: AdamScalars, *,
-               adamw_mode: bool, write_params: bool, fused: bool) -> list[LeafOut]:
-  """One group: operands moved to where it runs, the kernel, results moved back where they live."""
+               adamw_mode: bool, write_params: bool, fused: bool) -> list[tuple]:
+  """One group: operands moved to where it runs, the kernel; ``(first, mu, nu, master)`` per leaf, where it ran."""
   where = plans[0].runs_on
   space = HOST if where == "host" else DEVICE
   mastered = plans[0].master_dtype is not None
   # Parameters that are not read (no decay, no fused apply, or a master
   # stands in for them) are not moved either.
-  to = lambda x: jax.tree.map(lambda a: _compat.move(a, space), x)
+  if where == "host":  # the param's sharding: its gradient and (if on the device) the param cross with it
+    to = lambda x, lp: jax.tree.map(lambda a: placement.to_host(a, lp.gather_to or lp.state_sharding), x)
+  else:
+    to = lambda x, lp: jax.tree.map(lambda a: _compat.move(a, space), x)
   operands = [
-      LeafOperands(to(leaf.grad), to(leaf.mu), to(leaf.nu),
-                   to(leaf.master) if mastered else to(leaf.param) if (lp.decay or write_params) else None)
+      LeafOperands(to(leaf.grad, lp), to(leaf.mu, lp), to(leaf.nu, lp),
+                   to(leaf.master, lp) if mastered else to(leaf.param, lp) if (lp.decay or write_params) else None)
       for lp, leaf in zip(plans, leaves)]
   facts = [LeafFacts(lp.decay, lp.master_dtype if mastered else (
       jnp.asarray(leaf.param).dtype if write_params else jnp.result_type(leaf.grad.dtype, lp.mu_dtype, lp.nu_dtype)))
@@ -256,14 +300,7 @@ def _run_group(plans: Sequence[LeafPlan], leaves: Sequence[LeafIn], plan: Plan, 
                 for lp, op in zip(plans, operands)]
   else:
     branches = {p: functools.partial(compute, k) for p, k in kernels.items()}
-  results = per_platform(branches, operands, s)
-
-  def back(x, like):
-    return jax.tree.map(lambda a, b: _compat.move(a, _compat.memory_space_of(b)), x, like)
-
-  return [LeafOut(_compat.move(first, placement.space_of_kind(lp.param_kind)), back(mu, leaf.mu),
-                  back(nu, leaf.nu), back(master, leaf.master))
-          for lp, leaf, (first, mu, nu, master) in zip(plans, leaves, results)]
+  return [tuple(r) for r in per_platform(branches, operands, s)]
 
 
 def _per_shard(compute, plans: Sequence[LeafPlan], mesh: Any, s: AdamScalars, operands: Sequence[LeafOperands]):

@@ -364,6 +364,33 @@ def constrain(x: Any, sharding: Any) -> Any:
   return jax.lax.with_sharding_constraint(x, sharding)
 
 
+def to_host(x: Any, sharding: Any = None) -> Any:
+  """``x`` moved to host memory for host compute, in the row-major layout (a no-op if it is there).
+
+  XLA:GPU gives a host computation's parameters the default (row-major)
+  layout but lets layout assignment pick the layout of a device value that
+  crosses into one, and does not reconcile the two: a gradient that a matmul
+  writes column-major (the gradient of a ``(D, V)`` kernel used as
+  ``x @ w``) then fails the compile at ``end-of-post-layout_assignment``
+  ("The async-start expects the async shape ... to match"). Constrained to
+  row-major before the copy, the layout propagates back to its producer
+  (the matmul writes row-major: no extra copy, measured on the H100 target;
+  docs/gpu_compile.md).
+
+  Args:
+    x: an array or tracer.
+    sharding: its ``NamedSharding`` when it is split over several devices
+      (each shard is constrained), else None. With None in a process of
+      several devices the value may be sharded in ways the trace cannot see,
+      and it is moved unconstrained (a whole-value constraint would gather it).
+  """
+  if _compat.memory_space_of(x) == HOST:
+    return x
+  if sharding is not None or jax.device_count() == 1:
+    x = _compat.row_major(x, sharding)
+  return _compat.move(x, HOST)
+
+
 def map_where_they_live(fn: Callable, *columns: Sequence[Any], static: Sequence[Any] | None = None) -> list:
   """``fn(*args, static)`` per leaf, computed where the leaf's first argument lives.
 
@@ -383,7 +410,7 @@ def map_where_they_live(fn: Callable, *columns: Sequence[Any], static: Sequence[
   if host:
     run = _compat.host_compute(lambda rows: [fn(*row, static[i]) for i, row in zip(host, rows)],
                                out_memory_spaces=HOST)
-    for i, r in zip(host, run([tuple(_compat.move(x, HOST) for x in rows[i]) for i in host])):
+    for i, r in zip(host, run([tuple(to_host(x) for x in rows[i]) for i in host])):
       out[i] = r
   return out
 
@@ -452,7 +479,12 @@ def apply_updates(params: Any, updates: Any) -> Any:
 # ---------------------------------------------------------------------------
 
 # Primitives that move or relabel data without computing on it.
-_DATA_MOVEMENT = frozenset({"device_put", "copy", "copy_p", "optimization_barrier"})
+# A layout constraint (host compute's operands: _compat.row_major) only fixes
+# how a value is laid out; a dynamic slice cuts a part of a host array to be
+# moved, and a dynamic update slice writes a moved part into one (XLA:GPU
+# makes each a copy across the link: scan_layers' slices of a layer stack).
+_DATA_MOVEMENT = frozenset({"device_put", "copy", "copy_p", "optimization_barrier", "layout_constraint",
+                            "dynamic_slice", "dynamic_update_slice"})
 
 
 def _sub_jaxprs(eqn) -> list:

@@ -13,15 +13,17 @@ What crosses the bus, and when, is decided here:
   host; ``host`` leaves send their gradient down and their new param up. Both
   are cut into stages of about :data:`STREAM_STAGE_BYTES` of state (a leaf
   larger than that is a stage of its own), in leaf order.
-* The step orders each stage's transfers after the results of the stage two
-  before it (one before it for the ``host`` tier: :data:`STREAM_LAG`) with
-  ``lax.optimization_barrier``, so at most about three stages of state are on
-  the device at once for ``host_state`` (a few in host temporaries for the
-  ``host`` tier), while one stage's copies still overlap the neighbouring
-  stage's arithmetic. Without that order XLA starts every copy as early as it can and
-  holds the whole model's state on the device (measured on the H100 target:
-  13.5 bytes per parameter of device temporaries for fp32 master and moments,
-  against 3-4.5 with stages; ``docs/gpu_compile.md``).
+* The step orders each stage's transfers after the previous stage's
+  arithmetic and the stored results of the stage before that (after the
+  previous stage's stored results for the ``host`` tier: :data:`STREAM_WAITS`)
+  with ``lax.optimization_barrier``, so at most two stages' inputs and one
+  stage's results are on the device at once for ``host_state`` (a few stages
+  in host temporaries for the ``host`` tier), while one stage's copies in
+  still overlap the previous stage's copies out. Without that order XLA starts
+  every copy as early as it can and holds the whole model's state on the
+  device (measured on the H100 target: 13.5 bytes per parameter of device
+  temporaries for fp32 master and moments, against 2.5-4 with stages;
+  ``docs/gpu_compile.md``).
 """
 
 from __future__ import annotations
@@ -43,13 +45,18 @@ from optax_hybrid.options import Options, is_inexact
 # small part of an accelerator's memory.
 STREAM_STAGE_BYTES = 64 * 2**20
 
-# How many stages back a stage's transfers wait for, per place the update runs.
-# On the device, 2 lets stage k's copies run while stage k-1 computes (double
-# buffering). Host computations run one after another anyway, and with two
-# stages independent of each other XLA merges their host calls (measured on the
-# H100 target: 3 host calls for 5 fp32 stages, host temporaries the whole
-# state); 1 keeps one call per stage.
-STREAM_LAG = {"device": 2, "host": 1}
+# What a stage's transfers wait for, per place the update runs: (how many
+# stages back its arithmetic must be done, how many stages back its results
+# must be stored where the state lives); 0 for "nothing". On the device, the
+# previous stage computed and the one before stored: a stage's copies in then
+# overlap the previous stage's copies out (the link carries both directions),
+# and at most two stages' inputs and one stage's results are staged, whatever
+# order XLA picks for the rest. Host computations run one after another
+# anyway, and with two stages independent of each other XLA merges their host
+# calls (measured on the H100 target: 3 host calls for 5 fp32 stages, host
+# temporaries the whole state); waiting for the previous stage's stored
+# results keeps one call per stage.
+STREAM_WAITS = {"device": (1, 2), "host": (0, 1)}
 
 
 @dataclasses.dataclass(frozen=True)

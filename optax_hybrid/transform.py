@@ -91,9 +91,9 @@ class HybridAdamW(optax.GradientTransformationExtraArgs):
     return self.update.fused_step(params, state, grads)
 
   def close(self) -> None:
-    """Removes the disk tier's files (and their temporary directory). A no-op without disk leaves.
+    """Closes the disk tier's file, which frees its space. A no-op without disk leaves.
 
-    Also done at interpreter exit. The state's disk leaves cannot be stepped
+    Also done when the process ends. The state's disk leaves cannot be stepped
     afterwards.
     """
     self.update.close()
@@ -527,10 +527,10 @@ def hybrid_adamw(
     nvme_offload_fraction: move this fraction of the params, by size, to the
       ``"disk"`` tier (chosen first, the same way), as HybridAdam's
       ``nvme_offload_fraction``. Single-device params only.
-    nvme_offload_dir: the directory for the disk tier's files (it must exist
-      and be writable: checked here); ``None``: a new temporary directory.
-      Files are owner-only, never followed through symlinks, and removed by
-      ``tx.close()`` or at exit. See :mod:`optax_hybrid.disk`.
+    nvme_offload_dir: the directory for the disk tier's file (it must exist
+      and be writable: checked here); ``None``: the temporary directory.
+      The file is owner-only and has no name: ``tx.close()`` or the end of
+      the process, however it ends, frees it. See :mod:`optax_hybrid.disk`.
     shard_state_over: ZeRO-1: a mesh axis name (e.g. ``"data"``) over which
       the optimizer state (moments and master) is split even where the params
       are replicated: each leaf's first dimension that its param leaves

@@ -1,4 +1,4 @@
-"""Run by test_checkpoint.py in fresh processes: train / resume / a save killed midway."""
+"""Run by test_checkpoint.py in fresh processes: train / resume / a save killed midway / how a process ends."""
 
 import argparse
 import os
@@ -85,13 +85,49 @@ def kill_during_save(args):
   os.kill(os.getpid(), signal.SIGKILL)
 
 
+def cut_largest_array_file(step_dir):
+  """Truncates to half its size the largest data file of a saved step (the array with most bytes); returns it.
+
+  Orbax (OCDBT) keeps array chunks in files under directories named ``d``;
+  values under 1 KiB are kept inline, so the array cut must be larger.
+  """
+  data = [os.path.join(root, name) for root, _, names in os.walk(step_dir) if os.path.basename(root) == "d"
+          for name in names]
+  path = max(data, key=os.path.getsize)
+  os.truncate(path, os.path.getsize(path) // 2)
+  return path
+
+
+def fail_a_save(args):
+  """A save into a directory that can no longer be written, not caught: the process must end with its error."""
+  manager = optax_hybrid.checkpoint.manager(args.dir)
+  optax_hybrid.checkpoint.save(manager, 1, {"x": jnp.arange(10.0)}, wait=True)
+  if args.how == "read-only":
+    os.chmod(args.dir, 0o555)
+  else:  # not a directory any more, which stops root too
+    os.rename(args.dir, args.dir + ".moved")
+    open(args.dir, "w").close()
+  print("SAVING into an unwritable directory", flush=True)
+  optax_hybrid.checkpoint.save(manager, 2, {"x": jnp.ones(1000)}, wait=True)
+  print("SAVED (unexpected)", flush=True)
+
+
+def exit_while_saving(args):
+  """Ends the program while an asynchronous save is still writing, without waiting for it or closing the manager."""
+  manager = optax_hybrid.checkpoint.manager(args.dir)
+  optax_hybrid.checkpoint.save(manager, 1, {"x": jnp.full((32, 1024, 1024), 3.0, jnp.float32)})
+  print(f"EXITING saving={manager.is_saving_in_progress()}", flush=True)
+
+
 if __name__ == "__main__":
   parser = argparse.ArgumentParser()
-  parser.add_argument("mode", choices=["train", "kill"])
+  parser.add_argument("mode", choices=["train", "kill", "fail-save", "exit-while-saving"])
+  parser.add_argument("--how", choices=["read-only", "not-a-directory"], default="not-a-directory")
   parser.add_argument("--dir", required=True)
   parser.add_argument("--steps", type=int, default=8)
   parser.add_argument("--save-at", type=int, default=-1)
   parser.add_argument("--resume", action="store_true")
   parser.add_argument("--out", default=os.devnull)
   args = parser.parse_args()
-  train(args) if args.mode == "train" else kill_during_save(args)
+  {"train": train, "kill": kill_during_save, "fail-save": fail_a_save, "exit-while-saving": exit_while_saving}[
+      args.mode](args)

@@ -113,7 +113,7 @@ def real_params_and_grads(dtype, devices: int):
   return _REAL[key]
 
 
-def leaf_figures(combo: dict, params, plan_tiers) -> dict:
+def leaf_figures(combo: dict, params, plan) -> dict:
   """Bytes the assertions compare against: params, grads, state per tier, the largest leaves."""
   dtype, _ = DTYPES[combo["dtype"]]
   itemsize = np.dtype(dtype).itemsize
@@ -131,6 +131,14 @@ def leaf_figures(combo: dict, params, plan_tiers) -> dict:
              "num_params": sum(sizes), "state_per_param": state_per_param}
   for key in ("state_bytes", "largest_state_bytes", "largest_param_bytes"):
     figures[key] = {}
+  plan_tiers = plan.tiers
+  # The largest stage's state, per tier: the leaves the plan streams together.
+  stages: dict = {}
+  for n, leaf in zip(sizes, plan.leaves):
+    if leaf.streamed:
+      stages[(leaf.tier, leaf.stage)] = stages.get((leaf.tier, leaf.stage), 0) + state_of(n) // devices
+  figures["largest_stage_bytes"] = {tier: max((b for (t, _), b in stages.items() if t == tier), default=0)
+                                    for tier in ("host_state", "host")}
   for tier in ("device", "host_state", "host", "disk"):
     mine = [n for n, t in zip(sizes, plan_tiers) if t == tier]
     figures["state_bytes"][tier] = sum(state_of(n) for n in mine) // devices
@@ -166,7 +174,7 @@ def run(combo: dict, disk_dir: str) -> dict:
       state = tx.init(params)
       if combo["inputs"] == "abstract":
         state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
-    figures = leaf_figures(combo, params, state.plan.tiers)
+    figures = leaf_figures(combo, params, state.plan)
     if combo["path"] == "step":
       fn = jax.jit(tx.step, donate_argnums=(0, 1))
     else:

@@ -1,8 +1,11 @@
 """Tests for optax_hybrid.checkpoint: memory kinds, exact resume, interrupted saves."""
 
+import logging
 import os
+import re
 import subprocess
 import sys
+import warnings
 
 import chex
 import jax
@@ -13,13 +16,14 @@ import pytest
 pytest.importorskip("orbax.checkpoint")
 
 import optax_hybrid  # noqa: E402
+from checkpoint_script import cut_largest_array_file  # noqa: E402
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "checkpoint_script.py")
 
 
-def run_script(*args, expect_rc=0):
+def run_script(*args, expect_rc=0, timeout=300):
   env = dict(os.environ, JAX_PLATFORMS="cpu")
-  result = subprocess.run([sys.executable, SCRIPT, *args], env=env, capture_output=True, text=True, timeout=300)
+  result = subprocess.run([sys.executable, SCRIPT, *args], env=env, capture_output=True, text=True, timeout=timeout)
   assert result.returncode == expect_rc, result.stdout + result.stderr
   return result.stdout
 
@@ -56,6 +60,42 @@ def test_a_save_killed_midway_leaves_the_previous_checkpoint(tmp_path):
   np.testing.assert_array_equal(np.asarray(restored["x"]), np.arange(10.0))
   with pytest.raises(FileNotFoundError, match="step 2"):
     optax_hybrid.checkpoint.restore(manager, like={"x": jnp.zeros(10)}, step=2)
+
+
+@pytest.mark.parametrize("how", ["not-a-directory", "read-only"])
+def test_a_failed_save_ends_the_process_with_its_error(how, tmp_path):
+  # Orbax's default (directories made in the background) left threads waiting
+  # minutes for them, and the interpreter waited for those threads at exit.
+  if how == "read-only" and os.geteuid() == 0:
+    pytest.skip("root writes into a read-only (0555) directory; not-a-directory covers root")
+  ckpt = str(tmp_path / "ckpt")
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  try:
+    result = subprocess.run([sys.executable, SCRIPT, "fail-save", "--dir", ckpt, "--how", how], env=env,
+                            capture_output=True, text=True, timeout=90)
+  except subprocess.TimeoutExpired as e:
+    pytest.fail(f"the process did not end within 90 s of its failed save: {e.stdout}")
+  finally:
+    if os.path.isdir(ckpt):
+      os.chmod(ckpt, 0o700)
+  assert "SAVING into an unwritable directory" in result.stdout and "SAVED" not in result.stdout.replace("SAVING", "")
+  assert result.returncode == 1, result.stderr
+  last_line = result.stderr.strip().splitlines()[-1]
+  assert last_line.startswith(("NotADirectoryError", "PermissionError", "OSError")), result.stderr[-3000:]
+  manager = optax_hybrid.checkpoint.manager(ckpt if how == "read-only" else ckpt + ".moved")
+  assert manager.all_steps() == [1]  # the step saved before is intact
+  np.testing.assert_array_equal(
+      np.asarray(optax_hybrid.checkpoint.restore(manager, like={"x": jnp.zeros(10)})["x"]), np.arange(10.0))
+
+
+def test_a_save_still_writing_when_the_program_ends_is_finished(tmp_path):
+  ckpt = str(tmp_path / "ckpt")
+  out = run_script("exit-while-saving", "--dir", ckpt, timeout=120)
+  assert "EXITING saving=True" in out, out  # the program really ended mid-save
+  manager = optax_hybrid.checkpoint.manager(ckpt)
+  assert manager.all_steps() == [1] and not [n for n in os.listdir(ckpt) if "tmp" in n], os.listdir(ckpt)
+  restored = optax_hybrid.checkpoint.restore(manager, like={"x": jnp.zeros((32, 1024, 1024))})
+  assert float(jnp.min(restored["x"])) == float(jnp.max(restored["x"])) == 3.0
 
 
 def test_round_trip_keeps_memory_kinds_in_process(tmp_path):
@@ -208,3 +248,78 @@ def test_leaves_that_change_dtype_gain_or_lose_their_master(tmp_path):
   again = optax_hybrid.checkpoint.restore(manager, {"params": f32, "opt": tx.init(f32)})
   assert [again["opt"].master[k].shape for k in ("b", "s", "w")] == [(0,), (0,), (0, 0)]
   np.testing.assert_array_equal(np.asarray(again["opt"].nu["w"]), np.asarray(state.nu["w"]))
+
+
+def test_a_new_manager_reads_the_saved_tree_and_restores_without_warnings(tmp_path, caplog):
+  # A restarted process opens the directory with a new manager, which has not
+  # saved anything: it must still read the step's tree (here: that it has no
+  # masters) and say nothing about items it cannot restore.
+  params = mixed_params()
+  tx = optax_hybrid.hybrid_adamw(1e-2, **F32)
+  optax_hybrid.checkpoint.save(optax_hybrid.checkpoint.manager(tmp_path), 1, {"params": params, "opt": tx.init(params)},
+                               wait=True)
+  fresh = optax_hybrid.checkpoint.manager(tmp_path)
+  like = {"params": params, "opt": optax_hybrid.hybrid_adamw(1e-2, master_dtype=jnp.float32, **F32).init(params)}
+  with caplog.at_level(logging.WARNING), warnings.catch_warnings():
+    warnings.simplefilter("error")
+    with pytest.raises(ValueError, match="has no master weights"):
+      optax_hybrid.checkpoint.restore(fresh, like)
+    restored = optax_hybrid.checkpoint.restore(fresh, like, masters_from=lambda restored: restored["params"])
+  assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
+  np.testing.assert_array_equal(np.asarray(restored["opt"].master["w"]), np.asarray(params["w"], np.float32))
+
+
+def test_an_unreadable_step_is_named_and_skip_unreadable_restores_the_newest_readable(tmp_path):
+  ckpt = tmp_path / "ckpt"
+  rng = np.random.default_rng(0)
+  params = {"w": jnp.asarray(rng.normal(size=(64, 33)), jnp.float32), "b": jnp.zeros(33)}  # w: the largest array
+  tx = optax_hybrid.hybrid_adamw(1e-2, **F32)
+  manager = optax_hybrid.checkpoint.manager(ckpt, max_to_keep=None)
+  saved = {}
+  for step in (1, 2, 3, 4):
+    saved[step] = {"params": jax.tree.map(lambda x: x + step, params), "opt": tx.init(params)}
+    optax_hybrid.checkpoint.save(manager, step, saved[step], wait=True)
+  like = {"params": params, "opt": tx.init(params)}
+  for step in (3, 4):
+    cut_largest_array_file(ckpt / str(step))
+  restart = optax_hybrid.checkpoint.manager(ckpt, max_to_keep=None)  # a new process's manager
+
+  with pytest.raises(optax_hybrid.checkpoint.UnreadableCheckpointError) as info:
+    optax_hybrid.checkpoint.restore(restart, like)
+  first_line = str(info.value).splitlines()[0]
+  assert re.fullmatch(r"checkpoint step 4 in .* is unreadable: array \['params'\]\['w'\] cannot be read: "
+                      r"ValueError: OUT_OF_RANGE: .*Requested byte range .* is not valid .*", first_line), first_line
+  assert (info.value.step, info.value.array) == (4, "['params']['w']") and "skip_unreadable=True" in str(info.value)
+  # A like that fits no step is the caller's error: nothing is skipped or moved.
+  other = {"params": {"w": jnp.zeros((64, 34)), "b": jnp.zeros(33)}, "opt": tx.init({"w": jnp.zeros((64, 34)),
+                                                                                      "b": jnp.zeros(33)})}
+  with pytest.raises(ValueError, match=r"has shape \(64, 34\) but checkpoint step 4 holds shape \(64, 33\)"):
+    optax_hybrid.checkpoint.restore(restart, other, skip_unreadable=True)
+  assert sorted(os.listdir(ckpt)) == ["1", "2", "3", "4"]
+
+  with pytest.warns(RuntimeWarning) as records:
+    restored = optax_hybrid.checkpoint.restore(restart, like, skip_unreadable=True)
+  messages = [str(r.message) for r in records if "skipped step" in str(r.message)]
+  assert [m.split(":")[1].strip() for m in messages] == ["skipped step 4, restored step 2", "skipped step 3, restored step 2"]
+  assert all("array ['params']['w'] cannot be read" in m and "OUT_OF_RANGE" in m for m in messages), messages
+  jax.tree.map(np.testing.assert_array_equal, jax.device_get(restored["params"]), jax.device_get(saved[2]["params"]))
+  # The unreadable steps are kept aside, out of the manager's steps: the run saves those steps again.
+  assert restart.latest_step() == 2 and sorted(os.listdir(ckpt / "unreadable")) == ["3", "4"]
+  assert optax_hybrid.checkpoint.save(restart, 3, saved[3], wait=True)
+  again = optax_hybrid.checkpoint.restore(optax_hybrid.checkpoint.manager(ckpt), like)
+  jax.tree.map(np.testing.assert_array_equal, jax.device_get(again["params"]), jax.device_get(saved[3]["params"]))
+
+
+def test_skip_unreadable_with_no_readable_step_moves_nothing(tmp_path, monkeypatch):
+  manager = optax_hybrid.checkpoint.manager(tmp_path)
+  optax_hybrid.checkpoint.save(manager, 5, {"x": jnp.arange(2000.0)}, wait=True)
+  optax_hybrid.checkpoint.save(manager, 6, {"x": jnp.arange(2000.0) * 2}, wait=True)
+  for step in ("5", "6"):
+    cut_largest_array_file(tmp_path / step)
+  with pytest.raises(optax_hybrid.checkpoint.UnreadableCheckpointError,
+                     match=r"(?s)checkpoint step 6 .* array \['x'\] .*No step reads completely.*step 5 .*array \['x'\]"):
+    optax_hybrid.checkpoint.restore(manager, {"x": jnp.zeros(2000)}, skip_unreadable=True)
+  assert sorted(os.listdir(tmp_path)) == ["5", "6"]
+  monkeypatch.setattr(jax, "process_count", lambda: 2)
+  with pytest.raises(ValueError, match="`skip_unreadable` needs one process"):
+    optax_hybrid.checkpoint.restore(manager, {"x": jnp.zeros(2000)}, skip_unreadable=True)

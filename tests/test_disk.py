@@ -1,7 +1,11 @@
 """Tests for the disk tier (optax_hybrid.disk): moments in files, read and written around each step."""
 
 import os
+import signal
 import stat
+import subprocess
+import sys
+import tempfile
 
 import jax
 import jax.numpy as jnp
@@ -48,45 +52,71 @@ def test_disk_tier_equals_the_device_step_and_keeps_no_moment_arrays(fused, tmp_
   tx.close()
 
 
-def test_files_are_private_and_removed_on_close():
+def nameless_files(directory):
+  """This process's open files in ``directory`` that have no name there, by descriptor: the kernel's view."""
+  found = {}
+  for fd in os.listdir("/proc/self/fd"):
+    try:
+      target = os.readlink(f"/proc/self/fd/{fd}")
+      if os.path.dirname(target) == os.path.realpath(directory) and target.endswith(" (deleted)"):
+        found[int(fd)] = os.stat(f"/proc/self/fd/{fd}")
+    except FileNotFoundError:  # a descriptor closed meanwhile (listdir's own, another thread's)
+      pass
+  return found
+
+
+@pytest.mark.parametrize("given", [True, False], ids=["nvme_offload_dir", "temporary_directory"])
+def test_moments_live_in_one_private_nameless_file_freed_on_close(given, tmp_path):
   params = make_params()
-  tx = optax_hybrid.hybrid_adamw(1e-2, tiers="disk")
+  directory = str(tmp_path) if given else tempfile.gettempdir()
+  before = set(nameless_files(directory))
+  tx = optax_hybrid.hybrid_adamw(1e-2, tiers="disk", nvme_offload_dir=tmp_path if given else None)
   state = tx.init(params)
-  files = [m.path for field in ("mu", "nu")
-           for m in jax.tree.leaves(disk.files_of(state, field), is_leaf=lambda x: isinstance(x, disk.DiskMoment))]
-  directory = os.path.dirname(files[0])
-  assert len(files) == 8 and all(os.path.dirname(f) == directory for f in files)
-  assert stat.S_IMODE(os.stat(directory).st_mode) == 0o700
-  for f in files:
-    assert stat.S_IMODE(os.stat(f).st_mode) == 0o600
-  for k, p in params.items():
-    assert os.path.getsize(disk.files_of(state, "mu")[k].path) == p.size * 4
-    assert os.path.getsize(disk.files_of(state, "nu")[k].path) == p.size * 4
+  moments = [m for field in ("mu", "nu")
+             for m in jax.tree.leaves(disk.files_of(state, field), is_leaf=lambda x: isinstance(x, disk.DiskMoment))]
+  assert len(moments) == 8 and len({m.store for m in moments}) == 1
+  if given:
+    assert os.listdir(tmp_path) == []  # nothing has a name: nothing to follow, plant, or leave behind
+  files = {fd: st for fd, st in nameless_files(directory).items() if fd not in before}
+  assert len(files) == 1, files
+  (st,) = files.values()
+  assert stat.S_ISREG(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o600
+  # Each moment has its own bytes, all inside the file.
+  spans = sorted((m.offset, m.offset + m.nbytes) for m in moments)
+  assert all(end <= start for (_, end), (start, _) in zip(spans, spans[1:])) and spans[-1][1] <= st.st_size
+  assert sorted(m.nbytes for m in moments) == sorted(p.size * 4 for p in params.values() for _ in range(2))
   np.testing.assert_array_equal(disk.read(disk.files_of(state)["emb"]), np.zeros((40, 8), np.float32))
   tx.close()
-  assert not os.path.exists(directory)
+  assert set(nameless_files(directory)) <= before  # closed: its space is freed
   with pytest.raises(ValueError, match="removed by tx.close"):
     tx.step(params, state, params)
+  with pytest.raises(ValueError, match="removed by tx.close"):
+    disk.read(disk.files_of(state)["emb"])
 
 
-def test_a_symlink_planted_in_place_of_a_file_is_refused_not_followed(tmp_path):
-  params = make_params()
-  outside = tmp_path / "outside.bin"
-  outside.write_bytes(b"keep me")
-  work = tmp_path / "work"
-  work.mkdir()
-  tx = optax_hybrid.hybrid_adamw(1e-2, tiers="disk", nvme_offload_dir=work)
+KILLED_AFTER_A_STEP = """
+import os, signal, sys
+import jax, jax.numpy as jnp, optax_hybrid
+params = {"w": jnp.ones((64, 64)), "b": jnp.ones(64)}
+alive = []  # both optimizers and states stay alive until the kill
+for directory, options in ((sys.argv[1], {}), (None, {"moment_format": "8bit"})):
+  tx = optax_hybrid.hybrid_adamw(1e-2, tiers="disk", nvme_offload_dir=directory, **options)
   state = tx.init(params)
-  target = disk.files_of(state)["emb"].path
-  os.unlink(target)
-  os.symlink(outside, target)
-  with pytest.raises(Exception, match="(?i)symbolic links|too many levels|ELOOP|not a regular file"):
-    jax.block_until_ready(jax.jit(tx.step)(params, state, params))
-  assert outside.read_bytes() == b"keep me"
-  with pytest.raises(OSError):
-    disk.write(disk.files_of(state)["emb"], np.zeros((40, 8), np.float32))
-  assert outside.read_bytes() == b"keep me"
-  tx.close()
+  alive.append((tx, jax.block_until_ready(jax.jit(tx.step)(params, state, params))))
+print("STEPPED", flush=True)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_a_killed_process_leaves_no_disk_tier_file(tmp_path):
+  nvme, tmp = tmp_path / "nvme", tmp_path / "tmp"
+  nvme.mkdir()
+  tmp.mkdir()
+  env = dict(os.environ, JAX_PLATFORMS="cpu", TMPDIR=str(tmp))  # the default directory, None, is under TMPDIR
+  result = subprocess.run([sys.executable, "-c", KILLED_AFTER_A_STEP, str(nvme)], env=env, capture_output=True,
+                          text=True, timeout=300)
+  assert result.returncode == -signal.SIGKILL and "STEPPED" in result.stdout, result.stdout + result.stderr
+  assert os.listdir(nvme) == [] and os.listdir(tmp) == []
 
 
 def test_bad_directories_are_refused_before_any_step(tmp_path):

@@ -100,6 +100,16 @@ def manager_with_step_1():
   return manager
 
 
+def manager_with_unreadable_steps(*steps):
+  """A manager whose steps (each {"x": 1000 floats}) have their array file cut in half."""
+  from checkpoint_script import cut_largest_array_file
+  manager = empty_manager()
+  for step in steps:
+    optax_hybrid.checkpoint.save(manager, step, {"x": jnp.arange(1000.0) * step}, wait=True)
+    cut_largest_array_file(os.path.join(manager.directory, str(step)))
+  return manager
+
+
 def restore_masters(masters_from=None, params_like=PARAMS_BF16):
   """Restores a checkpoint saved without master weights into a state that keeps them."""
   manager = empty_manager()
@@ -233,6 +243,16 @@ TRIGGERS = {
     "checkpoint-restore-disk-without-plan": lambda: disk_state_without_its_plan(restore=True),
     "checkpoint-masters-from-param": lambda: restore_masters(lambda restored: {"w": restored["params"]["w"]}),
     "checkpoint-masters-from-type": lambda: restore_masters("params"),
+    "checkpoint-unreadable": lambda: optax_hybrid.checkpoint.restore(manager_with_unreadable_steps(1),
+                                                                     like={"x": jnp.zeros(1000)}),
+    "checkpoint-none-readable": lambda: optax_hybrid.checkpoint.restore(
+        manager_with_unreadable_steps(1), like={"x": jnp.zeros(1000)}, skip_unreadable=True),
+    "checkpoint-skip-with-step": lambda: optax_hybrid.checkpoint.restore(
+        manager_with_step_1(), like={"x": jnp.zeros(2)}, step=1, skip_unreadable=True),
+    "checkpoint-like-shape": lambda: optax_hybrid.checkpoint.restore(manager_with_step_1(), like={"x": jnp.zeros(3)}),
+    "checkpoint-like-lacks": lambda: optax_hybrid.checkpoint.restore(manager_with_step_1(), like={}),
+    "checkpoint-like-extra": lambda: optax_hybrid.checkpoint.restore(manager_with_step_1(),
+                                                                     like={"x": jnp.zeros(2), "y": jnp.zeros(2)}),
 }
 
 ROWS = table_rows()

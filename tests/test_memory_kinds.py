@@ -71,7 +71,7 @@ def check_where_the_state_lives(params, state, expected, master, stepped, when, 
       if tier == "disk" and name != "master":
         moment = files[name][i]
         assert isinstance(moment, disk.DiskMoment), f"{where}: {type(moment).__name__}, not a file"
-        assert os.path.getsize(moment.path) == param.size * 4, where
+        assert moment.nbytes == param.size * 4, where
         # The state holds an empty entry there, in the master's memory, sharded like the param.
         assert x.size == 0 and x.ndim == max(param.ndim, 1), (where, x.shape)
         assert x.sharding == param.sharding.with_memory_kind("pinned_host"), (where, x.sharding)

@@ -1,0 +1,201 @@
+"""Layers streamed from host memory: :func:`scan_layers`, a ``jax.lax.scan`` over stacked layers whose gradient stays where the layers live.
+
+A model whose layers are stacked on a leading axis (one array per weight kind,
+``(L, ...)``) and run by ``jax.lax.scan`` over a ``jax.checkpoint`` ed layer
+can keep those arrays in host memory (``pinned_host``). Differentiated by JAX,
+such a scan brings each layer to the device but accumulates the stacked
+gradient in device memory: 2 bytes per bf16 weight on the device, growing
+with depth (measured on the H200 target: docs/streaming.md).
+:func:`scan_layers` computes the same values and gradients with a backward
+pass of its own (``jax.custom_vjp``): the forward loop brings layer ``i`` to
+the device, saves the carry and runs the layer; the backward loop brings layer
+``i`` in again, recomputes it from its saved carry, takes its VJP and writes
+the layer's gradient into a buffer in the layers' memory, slice by slice. The
+device then holds, of the stack, one or two layers at a time and the saved
+carries (which can go to host memory too: ``offload_carries``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from optax_hybrid import _compat
+from optax_hybrid._compat import DEVICE, HOST
+
+__all__ = ["scan_layers"]
+
+
+def scan_layers(layer_fn: Callable[..., Any], carry: Any, layers: Any, xs: Any = None, *,
+                offload_carries: bool = False) -> Any:
+  r"""Runs ``layer_fn`` over stacked layers, one layer on the device at a time; returns the final carry.
+
+  Equal in value and gradients to::
+
+    jax.lax.scan(jax.checkpoint(lambda c, a: (layer_fn(c, *a), None)), carry, (layers,) or (layers, xs))[0]
+
+  Each array of ``layers`` (and of ``xs``) is stacked on axis 0, one slice
+  per layer, and may live in any memory kind. For a leaf in host memory
+  (``pinned_host``), layer :math:`i`'s slice is copied to the device for its
+  forward and again for its backward (the copy of layer :math:`i \pm 1`
+  starts while layer :math:`i` computes), and its gradient is produced in host
+  memory, written slice by slice inside the backward loop, so nothing of the
+  stack stays on the device. The gradient with respect to ``carry`` (and to
+  values ``layer_fn`` closes over) is an ordinary device value.
+
+  The memory kind of each leaf is read off its type under ``jit``: arrays
+  placed in ``pinned_host`` are host values. So are ``jax.ShapeDtypeStruct`` s
+  whose sharding is a ``NamedSharding`` with ``memory_kind="pinned_host"``; in
+  JAX 0.10 a ``SingleDeviceSharding`` one is traced as a device value (place
+  abstract inputs on a one-device mesh to compile what real arrays compile).
+
+  Args:
+    layer_fn: ``(carry, layer) -> carry``, or ``(carry, layer, x) -> carry``
+      when ``xs`` is given; ``layer`` is one slice of ``layers`` on the
+      device. It may close over arrays (positions, a mask, shared weights):
+      they are hoisted out (``jax.closure_convert``) and get their gradients.
+    carry: the initial carry, a pytree of device arrays.
+    layers: a pytree of arrays stacked on axis 0 (the layers' params, e.g.
+      the state of Flax NNX layers made with ``nnx.vmap``).
+    xs: per-layer inputs that are not params (a per-layer RNG key, a mask),
+      stacked on axis 0; None for none. Their float leaves get gradients.
+    offload_carries: keep the carries saved for the backward pass in host
+      memory too (activation offload): the device then holds no term that
+      grows with depth.
+
+  Returns:
+    The carry after the last layer.
+
+  Raises:
+    ValueError: for ``layers`` (or ``xs``) without leaves, or whose leaves
+      do not share one leading length.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, optax_hybrid
+    >>> layers = {"w": jnp.stack([jnp.eye(4) * (i + 1) for i in range(3)])}
+    >>> x = jnp.ones((2, 4))
+    >>> y = optax_hybrid.scan_layers(lambda c, p: jnp.tanh(c @ p["w"]), x, layers)
+    >>> y.shape
+    (2, 4)
+    >>> g = jax.grad(lambda l: optax_hybrid.scan_layers(lambda c, p: jnp.tanh(c @ p["w"]), x, l).sum())(layers)
+    >>> g["w"].shape
+    (3, 4, 4)
+  """
+  length = _length(layers, "layers")
+  if xs is not None and _length(xs, "xs") != length:
+    raise ValueError(f"scan_layers: `xs` must be stacked like `layers` (leading length {length}); "
+                     f"got {_length(xs, 'xs')}.")
+  one = lambda tree: jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), tree)
+  example = (carry, one(layers)) if xs is None else (carry, one(layers), one(xs))
+  closed, consts = jax.closure_convert(layer_fn, *example)
+  step = (lambda c, p, x, k: closed(c, p, *k)) if xs is None else (lambda c, p, x, k: closed(c, p, x, *k))
+  return _streamed(step, length, offload_carries)(carry, layers, xs, tuple(consts))
+
+
+def _length(tree: Any, name: str) -> int:
+  lengths = {np.shape(a)[0] if np.ndim(a) else None for a in jax.tree.leaves(tree)}
+  if not lengths:
+    raise ValueError(f"scan_layers: `{name}` has no arrays; pass the layers' params stacked on axis 0.")
+  if len(lengths) != 1 or None in lengths:
+    raise ValueError(f"scan_layers: every array of `{name}` must be stacked on axis 0 with one length (the number "
+                     f"of layers); got leading lengths {sorted(lengths, key=str)}.")
+  return lengths.pop()
+
+
+# Slices are cut and written where the stack lives and only moved across
+# (a slice of a host array, copied to the device, is one transfer for XLA);
+# reshapes happen on the device side.
+
+def _slice(tree: Any, i: Any) -> Any:
+  """Slice ``i`` of each stacked array of ``tree``, on the device."""
+  return jax.tree.map(lambda a: _compat.move(lax.dynamic_slice_in_dim(a, i, 1), DEVICE)[0], tree)
+
+
+def _put(buffer: Any, values: Any, i: Any) -> Any:
+  """``buffer`` with slice ``i`` replaced by ``values``, moved to the buffer's memory first."""
+  return jax.tree.map(lambda b, v: lax.dynamic_update_slice_in_dim(
+      b, _compat.move(v[None], _compat.memory_space_of(b)), i, 0), buffer, values)
+
+
+def _buffer_like_stack(tree: Any) -> Any:
+  """An uninitialized buffer shaped like each array of ``tree``, in that array's memory; every slice is written.
+
+  Uninitialized (``lax.empty``: XLA:GPU allocates it where it lives): zeros
+  for a host buffer would be made on the device and copied, a device
+  temporary as large as the stack.
+  """
+  return jax.tree.map(lambda a: _compat.move(lax.empty(a.shape, a.dtype), _compat.memory_space_of(a)), tree)
+
+
+def _saved_buffer(carry: Any, length: int, offload: bool) -> Any:
+  """Room for ``length`` carries, uninitialized (every slice is written): on the device, or in host memory."""
+  space = HOST if offload else DEVICE
+  return jax.tree.map(lambda c: _compat.move(lax.empty((length,) + np.shape(c), c.dtype), space), carry)
+
+
+def _inexact(leaves: list) -> list[int]:
+  """Indices of the leaves that take gradients (floating point)."""
+  return [j for j, a in enumerate(leaves) if jnp.issubdtype(a.dtype, jnp.inexact)]
+
+
+def _cotangents(leaves: list, treedef: Any, computed: list, indices: list[int]) -> Any:
+  """The tree of cotangents: ``computed`` at ``indices``, float0 zeros for the other (integer, key) leaves."""
+  out = [np.zeros(np.shape(a), jax.dtypes.float0) for a in leaves]
+  for j, value in zip(indices, computed):
+    out[j] = value
+  return treedef.unflatten(out)
+
+
+def _streamed(step: Callable, length: int, offload: bool) -> Callable:
+  """The custom-VJP scan of ``step(carry, layer, x, consts)`` over ``length`` layers."""
+
+  def forward_loop(carry, layers, xs, consts, saved):
+    # The loop carries layer i's device copy and fetches layer i + 1 beside
+    # layer i's arithmetic, so the copy overlaps the compute (the last trip
+    # fetches layer L - 1 again rather than branch).
+    def body(i, loop):
+      c, p, saved = loop
+      following = _slice(layers, jnp.minimum(i + 1, length - 1))
+      if saved is not None:
+        saved = _put(saved, c, i)
+      return step(c, p, _slice(xs, i), consts), following, saved
+    carry, _, saved = lax.fori_loop(0, length, body, (carry, _slice(layers, 0), saved))
+    return carry, saved
+
+  @jax.custom_vjp
+  def run(carry, layers, xs, consts):
+    return forward_loop(carry, layers, xs, consts, None)[0]
+
+  def run_forward(carry, layers, xs, consts):
+    carry, saved = forward_loop(carry, layers, xs, consts, _saved_buffer(carry, length, offload))
+    return carry, (saved, layers, xs, consts)
+
+  def run_backward(residuals, g_carry):
+    saved, layers, xs, consts = residuals
+    x_leaves, x_def = jax.tree.flatten(xs)
+    k_leaves, k_def = jax.tree.flatten(consts)
+    x_diff, k_diff = _inexact(x_leaves), _inexact(k_leaves)
+
+    def body(t, loop):
+      i = length - 1 - t
+      g, p, g_layers, g_xs, g_consts = loop
+      preceding = _slice(layers, jnp.maximum(i - 1, 0))  # fetched beside layer i's arithmetic
+      _, vjp = jax.vjp(step, _slice(saved, i), p, _slice(xs, i), consts)
+      g, g_p, g_x, g_k = vjp(g)
+      g_x, g_k = jax.tree.leaves(g_x), jax.tree.leaves(g_k)
+      g_xs = [lax.dynamic_update_index_in_dim(buf, g_x[j], i, 0) for buf, j in zip(g_xs, x_diff)]
+      g_consts = [acc + g_k[j] for acc, j in zip(g_consts, k_diff)]
+      return g, preceding, _put(g_layers, g_p, i), g_xs, g_consts
+
+    start = (g_carry, _slice(layers, length - 1), _buffer_like_stack(layers),
+             [jnp.zeros_like(x_leaves[j]) for j in x_diff], [jnp.zeros_like(k_leaves[j]) for j in k_diff])
+    g, _, g_layers, g_xs, g_consts = lax.fori_loop(0, length, body, start)
+    return (g, g_layers, None if xs is None else _cotangents(x_leaves, x_def, g_xs, x_diff),
+            _cotangents(k_leaves, k_def, g_consts, k_diff))
+
+  run.defvjp(run_forward, run_backward)
+  return run

@@ -1,0 +1,108 @@
+"""A train step whose layers stream from host memory (optax_hybrid.scan_layers + the host tier), compiled for the H200.
+
+The cases (``streaming_compile_script.cases``) compile the whole train step of
+a Llama-style decoder, its stacked layers in ``pinned_host``, at 2 and 4
+layers, with and without the saved carries offloaded, from abstract inputs
+and (at 4 layers) real arrays. What must hold:
+
+* it compiles without a host-offloader fallback;
+* the device grows with depth by the saved carries only (by nothing with
+  ``offload_carries``): no param, gradient or optimizer-state term;
+* the bus carries, per step and counted from the optimized HLO, each layer's
+  params in for the forward and again for the backward (plus the one layer
+  each loop fetches ahead and does not use), each layer's gradient out, and
+  for the params outside the stack (the host tier's) their gradient out and
+  their new value in: nothing else that scales with the model;
+* each loop fetches the next layer in the trip before (the copy's result goes
+  to the loop's carry);
+* abstract and real inputs compile the same program.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from compile_flags import without_fast_compiles
+from loading import load_script
+
+
+SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "streaming_compile_script.py")
+script = load_script("tests/streaming_compile_script.py")
+SLACK = 2**16  # scalars (the step count, the schedule's values) crossing the link
+
+
+@functools.lru_cache(maxsize=None)
+def compiled() -> dict:
+  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=without_fast_compiles(os.environ.get("XLA_FLAGS", "")))
+  proc = subprocess.run([sys.executable, SCRIPT], env=env, capture_output=True, text=True, timeout=900)
+  results = {}
+  for line in proc.stdout.splitlines():
+    if line.startswith("{") and '"index"' in line:
+      record = json.loads(line)
+      results[(record["case"]["layers"], record["case"]["offload"], record["case"]["inputs"])] = record
+  if len(results) != len(script.cases()):
+    raise RuntimeError(f"{SCRIPT} stopped after {len(results)} cases:\n{proc.stderr[-3000:]}")
+  for key, record in results.items():
+    assert record["ok"], (key, record.get("error"))
+  return results
+
+
+# JAX's CUDA plugin, installed into a cache directory if the environment has none (tests/conftest.py).
+pytestmark = [pytest.mark.usefixtures("cuda_compiler_plugin"), pytest.mark.xdist_group("tests/test_streaming_compile.py")]
+
+
+def case(layers, offload=False, inputs="abstract"):
+  return compiled()[(layers, offload, inputs)]
+
+
+@pytest.mark.parametrize("key", [(c["layers"], c["offload"], c["inputs"]) for c in script.cases()],
+                         ids=lambda k: f"L{k[0]}-{'offload' if k[1] else 'saved'}-{k[2]}")
+def test_compiles_without_fallback_and_moves_only_the_layers(key):
+  record = case(*key)
+  report, figures = record["report"], record["figures"]
+  assert not report["warnings"], report["warnings"][:2]
+  layers, carry = key[0], figures["carry_bytes"] if key[1] else 0
+  layer, other = figures["layer_bytes"], figures["other_param_bytes"]
+  # In: every layer twice and one layer ahead per loop; the host tier's new params for the rest.
+  expected_down = 2 * (layers + 1) * layer + other + layers * carry
+  # Out: every layer's gradient; the rest's gradient (to the host tier).
+  expected_up = layers * layer + other + layers * carry
+  assert expected_down <= report["to_device_bytes"] <= expected_down + SLACK, (report["to_device_bytes"], expected_down)
+  assert expected_up <= report["to_host_bytes"] <= expected_up + SLACK, (report["to_host_bytes"], expected_up)
+  # The stack is never a device argument: the device holds the params outside it (and the batch).
+  assert report["device_argument_bytes"] <= other + 2**16
+
+
+@pytest.mark.parametrize("offload", [False, True], ids=["carries-on-device", "carries-offloaded"])
+def test_the_device_grows_with_depth_by_the_saved_carries_only(offload):
+  shallow, deep = case(2, offload)["report"], case(4, offload)["report"]
+  figures = case(4, offload)["figures"]
+  grown = deep["device_peak_bytes"] - shallow["device_peak_bytes"]
+  per_layer = 0 if offload else figures["carry_bytes"]
+  # Two more layers: at most their saved carries (5% slack); a layer's params
+  # or gradient (6x a carry) kept on the device would not fit.
+  assert grown <= 2 * per_layer * 1.05 + (0.05 * 2 * figures["carry_bytes"] if offload else 0), (
+      grown, per_layer, figures["layer_bytes"])
+  assert figures["layer_bytes"] > 5 * figures["carry_bytes"]
+
+
+def test_each_loop_fetches_the_next_layer_a_trip_ahead():
+  loops = case(4)["loops"]
+  leaves = case(4)["figures"]["layer_leaves"]
+  assert len(loops) == 2  # forward and backward
+  for loop in loops:
+    assert loop["trips"] == 4
+    assert loop["carried"] >= leaves, loop  # every layer array's copy feeds the next trip
+
+
+def test_abstract_inputs_compile_the_same_program_as_real_arrays():
+  abstract, real = case(4)["report"], case(4, inputs="real")["report"]
+  for key in ("device_peak_bytes", "host_peak_bytes", "device_temp_bytes", "host_temp_bytes", "to_device_bytes",
+              "to_host_bytes", "transfers", "host_calls"):
+    assert abstract[key] == real[key], key
