@@ -6,7 +6,8 @@
     JAX_PLATFORMS=cpu PYTHONPATH=. python benchmarks/gpu_memory.py --streaming-table [--stream-layers 16,32,1000]
     JAX_PLATFORMS=cpu PYTHONPATH=. python benchmarks/gpu_memory.py --quick
 
-Needs the ``gpu-compile`` extra; no GPU. Everything is compiled with
+Needs JAX's CUDA plugin (once: ``python -c "from optax_hybrid import gpu_compile;
+gpu_compile.install_cuda_plugin()"``, docs/gpu_compile.md); no GPU. Everything is compiled with
 ``optax_hybrid.gpu_compile`` for a deviceless GPU target from abstract inputs
 (``jax.eval_shape``: the big model is never allocated).
 

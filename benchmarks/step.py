@@ -1,17 +1,33 @@
 """AdamW step time on this machine: our kernels against optax.adamw and torch's fused AdamW.
 
-    python benchmarks/step.py [--scale 1.0] [--reps 9] [--trees one,many,gpt2] [--kernels xla,native]
+    python benchmarks/step.py [--scale 1.0] [--reps 9] [--trees one,many,gpt2,many16] [--kernels xla,native]
                               [--dtype float32] [--compare-library LABEL=PATH ...] [--compare-isa avx2 ...]
                               [--moment-formats float32,8bit] [--variants 'native.*tx.step']
+                              [--torch default,passive] [--pass-through] [--loop SECONDS]
 
 Trees: one leaf of 16M params; 1024 leaves of 16K; the GPT-2-small shapes
 (124M params, 148 leaves; --scale shrinks every dimension's product by that
-factor). Every variant is a donated, jitted training-loop step (update and
-apply), warmed up, then timed in interleaved rounds, each round in a new
-(seeded) random order so that no variant always follows the same one (in a
-fixed order, the variant after the native update+apply, whose full-size
-update buffer is allocated afresh each step, measured slower in 7 of 9 runs);
-medians are reported.
+factor); ``many16``, 1024 leaves of 16 (the buffers of ``many`` with next to
+no arithmetic: what a step costs per buffer). Every JAX variant is a donated,
+jitted training-loop step (update and apply), warmed up, then timed in
+interleaved rounds, each round in a new (seeded) random order so that no
+variant always follows the same one (in a fixed order, the variant after the
+native update+apply, whose full-size update buffer is allocated afresh each
+step, measured slower in 7 of 9 runs); medians are reported.
+
+torch's ``AdamW(fused=True)`` runs as its users run it: in a process of its
+own (``--torch-worker``, started by this script), with its own threads and
+environment, timed there, one step per round. ``--torch default`` leaves
+OpenMP's wait policy at its default (idle threads spin a while, then sleep:
+the "torch/ours" column); ``passive`` sets ``OMP_WAIT_POLICY=PASSIVE`` (threads
+sleep at once), the setting of the figures before 2026-12-01, when this
+script set it for torch in its own process. Each policy is a row.
+
+``--pass-through``: a donated step that takes the params, m, v and the
+gradients and returns the first three untouched: the runtime's cost per
+buffer. ``--loop SECONDS``: no timing; each variant's step back to back for
+that long, the process id printed first, so that a profiler can attach
+(``perf record -F 499 -g -p PID``).
 
 Columns: median ms; params per second; GB/s counting the bytes per param an
 AdamW step must move (read p, g, m, v; write p, m, v: 28 for fp32); that as a
@@ -47,21 +63,18 @@ match this regular expression (optax.adamw, the ratios' reference, always runs).
 
 from __future__ import annotations
 
-import os
-
-# torch's OpenMP threads otherwise spin for a while after each step, stealing
-# the cores from whichever variant runs next in the interleaved rounds.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
 import argparse
 import ctypes
 import importlib.machinery
+import importlib.util
 import math
+import os
 import platform
 import random
 import re
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -99,15 +112,21 @@ def gpt2_small_shapes(scale: float) -> dict[str, tuple[int, ...]]:
   return shapes
 
 
-def trees(names, scale):
-  out = {}
-  if "one" in names:
-    out["1 leaf x 16M"] = {"w": (max(1, int(16 * 2**20 * scale)),)}
-  if "many" in names:
-    out["1024 leaves x 16K"] = {f"l{i:04d}": (max(1, int(16384 * scale)),) for i in range(1024)}
-  if "gpt2" in names:
-    out["GPT-2 small shapes"] = gpt2_small_shapes(scale)
-  return out
+TREE_NAMES = {"one": "1 leaf x 16M", "many": "1024 leaves x 16K", "gpt2": "GPT-2 small shapes",
+              "many16": "1024 leaves x 16"}
+
+
+def tree_shapes(key: str, scale: float) -> dict[str, tuple[int, ...]]:
+  """The leaf shapes of tree ``key`` (``"one"``, ``"many"`` or ``"gpt2"``)."""
+  if key == "one":
+    return {"w": (max(1, int(16 * 2**20 * scale)),)}
+  if key == "many":
+    return {f"l{i:04d}": (max(1, int(16384 * scale)),) for i in range(1024)}
+  if key == "gpt2":
+    return gpt2_small_shapes(scale)
+  if key == "many16":  # the buffers of "many" with next to no arithmetic: the per-buffer cost alone
+    return {f"l{i:04d}": (max(1, int(16 * scale)),) for i in range(1024)}
+  raise SystemExit(f"--trees: unknown tree {key!r}; choose from {', '.join(TREE_NAMES)}")
 
 
 class JaxVariant:
@@ -126,29 +145,66 @@ class JaxVariant:
       raise SystemExit(f"{name}: the lowered step calls {sorted(called)}, not {custom_call}")
     self.step = lowered.compile()
 
-  def run(self):
+  def run(self) -> float:
+    """One step; returns its time in seconds."""
+    start = time.perf_counter()
     self.params, self.state = self.step(self.params, self.state, self.grads)
     jax.block_until_ready((self.params, self.state))
+    return time.perf_counter() - start
 
   def close(self):
     del self.params, self.state, self.grads
 
 
+# torch's variants: its fused AdamW as its users run it, in a process of its
+# own with its own threads and defaults (OpenMP's default wait policy: idle
+# threads spin a while before sleeping), and, for comparison with the figures
+# of 2026-11-29/30, with OMP_WAIT_POLICY=PASSIVE (threads sleep at once, so
+# each of the step's per-tensor parallel loops wakes them: slow on many leaves).
+TORCH = "torch AdamW(fused=True)"
+TORCH_POLICIES = {"default": (TORCH, {}),
+                  "passive": (f"{TORCH}, OMP_WAIT_POLICY=PASSIVE", {"OMP_WAIT_POLICY": "PASSIVE"})}
+
+
 class TorchVariant:
+  """torch's step in a worker process (``--torch-worker``), timed there; ``environment`` added to its defaults."""
 
-  def __init__(self, shapes):
-    import torch
-    self.name = "torch AdamW(fused=True)"
-    self.params = [torch.full(s, 0.5, requires_grad=True) for s in shapes.values()]
-    for p in self.params:
-      p.grad = torch.full(p.shape, 1e-3)
-    self.opt = torch.optim.AdamW(self.params, lr=LR, weight_decay=WD, fused=True)
+  def __init__(self, name, tree, scale, environment):
+    self.name = name
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    self.proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--torch-worker", tree, str(scale)],
+                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                 env={**env, **environment})
+    ready = self.proc.stdout.readline().split()
+    if not ready or ready[0] != "ready":
+      raise SystemExit(f"{name}: the torch worker did not start")
+    self.version = " ".join(ready[1:])
 
-  def run(self):
-    self.opt.step()
+  def run(self) -> float:
+    self.proc.stdin.write("step\n")
+    self.proc.stdin.flush()
+    return float(self.proc.stdout.readline())
 
   def close(self):
-    del self.opt, self.params
+    self.proc.stdin.write("quit\n")
+    self.proc.stdin.flush()
+    self.proc.wait()
+
+
+def torch_worker(tree: str, scale: float) -> None:
+  """The worker's loop: one step per "step" line read, its time printed; "quit" ends it."""
+  import torch
+  params = [torch.full(s, 0.5, requires_grad=True) for s in tree_shapes(tree, scale).values()]
+  for p in params:
+    p.grad = torch.full(p.shape, 1e-3)
+  opt = torch.optim.AdamW(params, lr=LR, weight_decay=WD, fused=True)
+  print(f"ready torch {torch.__version__} ({torch.get_num_threads()} threads)", flush=True)
+  for line in sys.stdin:
+    if line.strip() != "step":
+      break
+    start = time.perf_counter()
+    opt.step()
+    print(time.perf_counter() - start, flush=True)
 
 
 def optax_contract_step(tx):
@@ -189,13 +245,21 @@ def installed_library_with_isa(isa: str, scratch: str) -> tuple[str, str]:
   return compared_library(f"isa {isa}={copy}", isa)
 
 
-def variants(shapes, dtype, have_torch, compared, kernels=("xla", "native"), moment_formats=("float32",),
-             wanted=None):
+def pass_through_step(p, s, g):
+  """The step's buffers in and out, donated, with no arithmetic: what the runtime costs per buffer."""
+  del g
+  return p, s
+
+
+def variants(shapes, dtype, torch_policies, compared, kernels=("xla", "native"), moment_formats=("float32",),
+             wanted=None, tree=None, scale=1.0, pass_through=False):
   """Makers of the variants to time.
 
-  ``compared``: (label, target) of other native builds, each timed in the
-  tx.step variants; ``moment_formats``: our variants once per format;
-  ``wanted``: a regular expression the names must match (None: all).
+  ``torch_policies``: keys of :data:`TORCH_POLICIES` to time torch with (its
+  worker builds ``tree`` at ``scale``); ``compared``: (label, target) of other
+  native builds, each timed in the tx.step variants; ``moment_formats``: our
+  variants once per format; ``wanted``: a regular expression the names must
+  match (None: all).
   """
   builds = [("xla", "", None)] if "xla" in kernels else []
   builds += [("native", "", native_cpu.TARGET)] if "native" in kernels and native_cpu.available() else []
@@ -221,10 +285,33 @@ def variants(shapes, dtype, have_torch, compared, kernels=("xla", "native"), mom
         name = f"ours {kernel}, device{shown} moments, update+apply"
         out.append((name, lambda ours=ours, name=name, target=target: JaxVariant(
             name, shapes, dtype, lambda: optax_contract_step(ours), ours.init, target)))
-  if have_torch and dtype == jnp.float32:
-    out.append(("torch AdamW(fused=True)", lambda: TorchVariant(shapes)))
+  if pass_through:  # params, m and v in and out (donated), gradients in, as a float32 step
+    name = "pass-through: params, m, v donated, no arithmetic"
+    moments = lambda p: jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), (p, p))
+    out.append((name, lambda name=name: JaxVariant(
+        name, shapes, dtype, lambda: jax.jit(pass_through_step, donate_argnums=(0, 1)), moments)))
+  if dtype == jnp.float32:
+    for policy in torch_policies:
+      name, environment = TORCH_POLICIES[policy]
+      out.append((name, lambda name=name, environment=environment: TorchVariant(name, tree, scale, environment)))
   keep = lambda name: wanted is None or name == "optax.adamw" or re.search(wanted, name) is not None
   return [make for name, make in out if keep(name)]
+
+
+def loop(built, seconds):
+  """Each variant's step back to back for ``seconds`` (a profiler attaches to this process meanwhile)."""
+  for v in built:
+    for _ in range(2):
+      v.run()
+  print(f"pid {os.getpid()}", flush=True)
+  for v in built:
+    steps, end = 0, time.perf_counter() + seconds
+    print(f"looping: {v.name}", flush=True)
+    while time.perf_counter() < end:
+      v.run()
+      steps += 1
+    print(f"  {steps} steps, {seconds / steps * 1e3:.1f} ms per step", flush=True)
+    v.close()
 
 
 def copy_bandwidth(reps):
@@ -243,10 +330,13 @@ def copy_bandwidth(reps):
 
 
 def main(argv=None):
+  argv = sys.argv[1:] if argv is None else argv
+  if argv[:1] == ["--torch-worker"]:
+    return torch_worker(argv[1], float(argv[2]))
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--scale", type=float, default=1.0, help="shrink every tree by this factor")
   parser.add_argument("--reps", type=int, default=9, help="timed rounds (default 9)")
-  parser.add_argument("--trees", default="one,many,gpt2", help="comma-separated subset of one,many,gpt2")
+  parser.add_argument("--trees", default="one,many,gpt2", help="comma-separated subset of one,many,gpt2,many16")
   parser.add_argument("--kernels", default="xla,native",
                       help="our kernels to time (default xla,native; none: only optax.adamw and the compared builds)")
   parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
@@ -259,17 +349,26 @@ def main(argv=None):
                       help="comma-separated moment formats of our variants: float32 (default), 8bit")
   parser.add_argument("--variants", default=None,
                       help="a regular expression; keep the variants whose names match it (default: all)")
+  parser.add_argument("--pass-through", action="store_true",
+                      help="also time a donated step that passes params, m and v through with no arithmetic")
+  parser.add_argument("--loop", type=float, default=0.0, metavar="SECONDS",
+                      help="instead of timing: run each variant's step back to back for SECONDS, for a "
+                           "profiler to attach (perf record -p PID); prints the pid and each variant's name")
+  parser.add_argument("--torch", default="default,passive",
+                      help="torch's OpenMP wait policies to time it with, each in its own process: default "
+                           "(as its users run it; the torch/ours column), passive (OMP_WAIT_POLICY=PASSIVE); "
+                           "none: no torch (default: default,passive)")
   args = parser.parse_args(argv)
   dtype = jnp.dtype(args.dtype)
   compared = [compared_library(spec) for spec in args.compare_library]
   scratch = tempfile.mkdtemp(prefix="optax_hybrid_step_")
   compared += [installed_library_with_isa(isa, scratch) for isa in args.compare_isa]
-  try:
-    import torch
-    torch_note = f"torch {torch.__version__} ({torch.get_num_threads()} threads)"
-    have_torch = True
-  except ImportError:
-    torch_note, have_torch = "torch not installed", False
+  torch_policies = [p for p in args.torch.split(",") if p and p != "none"]
+  if unknown := set(torch_policies) - set(TORCH_POLICIES):
+    raise SystemExit(f"--torch: unknown {sorted(unknown)}; choose from default, passive, none")
+  if importlib.util.find_spec("torch") is None:
+    torch_policies = []
+  torch_note = "torch in its own process" if torch_policies else "torch not installed or not timed"
   print(f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores; jax {jax.__version__}, "
         f"optax {optax.__version__}, {torch_note}; native kernel: "
         f"{f'built, isa {native_cpu.isa()}' if native_cpu.available() else native_cpu.why_unavailable()}; "
@@ -278,10 +377,18 @@ def main(argv=None):
     print(f"compared: ours native {label} ({target})")
   bandwidth = copy_bandwidth(args.reps)
   print(f"memory bandwidth (donated in-place scale, 8 B/element): {bandwidth:.1f} GB/s")
-  for tree_name, shapes in trees(args.trees.split(","), args.scale).items():
+  for tree in args.trees.split(","):
+    tree_name, shapes = TREE_NAMES.get(tree, tree), tree_shapes(tree, args.scale)
     n_params = sum(math.prod(s) for s in shapes.values())
-    built = [make() for make in variants(shapes, dtype, have_torch and dtype == jnp.float32, compared,
-                                         args.kernels.split(","), args.moment_formats.split(","), args.variants)]
+    built = [make() for make in variants(shapes, dtype, torch_policies, compared, args.kernels.split(","),
+                                         args.moment_formats.split(","), args.variants, tree, args.scale,
+                                         args.pass_through)]
+    if args.loop:
+      loop(built, args.loop)
+      continue
+    for v in built:
+      if isinstance(v, TorchVariant):
+        print(f"{v.name}: {v.version}")
     for v in built:  # warm-up: compile and touch every buffer
       for _ in range(2):
         v.run()
@@ -289,9 +396,7 @@ def main(argv=None):
     order = random.Random(0)
     for _ in range(args.reps):  # interleaved rounds
       for v in order.sample(built, len(built)):
-        t = time.perf_counter()
-        v.run()
-        times[v.name].append(time.perf_counter() - t)
+        times[v.name].append(v.run())
     for v in built:
       v.close()
     med = {k: statistics.median(t) for k, t in times.items()}
@@ -301,7 +406,7 @@ def main(argv=None):
     print(f"| {'variant':<{width}} | {'ms':>7} | {'Mparams/s':>9} | {f'GB/s @{moved}B':>9} | {'of bw':>5} | "
           f"{'optax/ours':>10} | {'torch/ours':>10} |")
     print(f"|{'-' * (width + 2)}|{'-' * 9}|{'-' * 11}|{'-' * 11}|{'-' * 7}|{'-' * 12}|{'-' * 12}|")
-    torch_time = med.get("torch AdamW(fused=True)")
+    torch_time = med.get(TORCH)
     for name, t in med.items():
       gbs = n_params * moved / t / 1e9
       vs_optax = f"{med['optax.adamw'] / t:10.2f}"

@@ -29,8 +29,9 @@ generated sample, and writes to ``--out-dir`` (default
   val_loss``; ``tokens_per_s`` is empty for step 1 (its time is compilation)
   and ``val_loss`` is empty where it was not measured;
 * ``summary.json``: the final numbers, the configuration and the memory report;
-* ``char_gpt.png``: loss, learning rate and memory per weight (needs
-  matplotlib; without it the plot is skipped with one printed line).
+* ``char_gpt.png``: loss, learning rate and memory per weight, beside
+  ``optax.adamw``'s (needs matplotlib; without it the plot is skipped with one
+  printed line).
 
 Losses are in nats per character.
 """
@@ -53,6 +54,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
+from tqdm import tqdm
 
 import optax_hybrid
 from optax_hybrid.recipe import last_learning_rate, standard_optimizer
@@ -60,8 +62,8 @@ from optax_hybrid.report import memory_report
 
 VAL_EVERY = 10  # every tenth file is validation text
 FILE_SEPARATOR = "\n\n"
-EVAL_TOKENS = 32_768  # validation characters scored per evaluation
-EVALS = 5  # evaluations during training, besides the one before it
+EVAL_TOKENS = 32_768  # validation characters scored per evaluation (the same ones each time)
+EVALS = 20  # evaluations during training, besides the one before it
 SMOOTH = 20  # final train loss: the mean over this many last updates
 
 
@@ -255,51 +257,30 @@ def make_sampler(graphdef, seq_len: int, prompt_len: int, chars: int, temperatur
 
 
 class Progress:
-  """A progress bar redrawn in place on a terminal; plain periodic lines otherwise (logs, CI)."""
+  """tqdm's progress bar on a terminal; in a log (not a terminal) a plain line every tenth of the run."""
 
   def __init__(self, total: int, stream=None, lines: int = 10):
     self.total = total
     self.stream = stream or sys.stdout
-    self.tty = hasattr(self.stream, "isatty") and self.stream.isatty()
     self.every = max(1, total // lines)
-    self.last_draw = 0.0
-    self.width = 0
+    tty = hasattr(self.stream, "isatty") and self.stream.isatty()
+    self.bar = tqdm(total=total, file=self.stream, unit="step", dynamic_ncols=True, disable=not tty)
 
   def update(self, step: int, loss: float, lr: float, rate: str) -> None:
-    text = f"step {step:{len(str(self.total))}d}/{self.total}  loss {loss:.4f}  lr {lr:.2e}  {rate}"
-    if not self.tty:
-      if step == 1 or step % self.every == 0 or step == self.total:
-        print(text, file=self.stream, flush=True)
-      return
-    now = time.perf_counter()
-    # Redrawing every step would cost more terminal time than some steps take.
-    if now - self.last_draw < 0.1 and step != self.total:
-      return
-    self.last_draw = now
-    filled = 24 * step // self.total
-    self._draw(f"[{'#' * filled}{'.' * (24 - filled)}] {text}")
+    text = f"loss {loss:.4f}  lr {lr:.2e}  {rate}"
+    if not self.bar.disable:
+      self.bar.set_postfix_str(text, refresh=False)
+      self.bar.update(step - self.bar.n)
+    elif step == 1 or step % self.every == 0 or step == self.total:
+      print(f"step {step:{len(str(self.total))}d}/{self.total}  {text}", file=self.stream, flush=True)
 
   def note(self, text: str) -> None:
     """A line printed above the bar."""
-    if self.tty:
-      self._draw(text)
-      self.stream.write("\n")
-      self.width = 0
-      self.stream.flush()
-    else:
-      print(text, file=self.stream, flush=True)
+    tqdm.write(text, file=self.stream)
+    self.stream.flush()
 
   def close(self) -> None:
-    if self.tty and self.width:
-      self.stream.write("\n")
-      self.stream.flush()
-      self.width = 0
-
-  def _draw(self, text: str) -> None:
-    # Pad over the previous line's tail, which \r alone would leave behind.
-    self.stream.write("\r" + text.ljust(self.width))
-    self.stream.flush()
-    self.width = len(text)
+    self.bar.close()
 
 
 METRIC_COLUMNS = ("step", "loss", "lr", "tokens_per_s", "val_loss")
@@ -355,20 +336,28 @@ def plot_run(path: str, rows: list, summary: dict) -> bool:
   splits = memory["by_component"].values()
   kinds = [k for k in dict.fromkeys(k for split in splits for k in split)
            if k in ("device", "host") or any(split[k] for split in splits)]
-  bottom = np.zeros(len(kinds))
+  # The comparison: optax.adamw keeps the same params and gradients, and its
+  # whole state (measured from its init), on the device.
+  adamw = {"params": sum(memory["by_component"]["params"].values()),
+           "gradients": sum(memory["by_component"]["gradients"].values()),
+           "moments": memory["optax_adamw_state_bytes"]}
+  labels = [f"{k} memory" for k in kinds] + ["optax.adamw:\ndevice memory"]
+  bottom = np.zeros(len(labels))
   for i, (component, split) in enumerate(memory["by_component"].items()):
-    per_weight = np.array([split.get(k, 0) for k in kinds]) / memory["num_params"]
+    per_weight = np.array([split.get(k, 0) for k in kinds] + [adamw.get(component, 0)]) / memory["num_params"]
     if not per_weight.any():
       continue
-    ax_mem.bar([f"{k} memory" for k in kinds], per_weight, bottom=bottom, color=f"C{i}",
-               label=names.get(component, component.replace("_", " ")), width=0.55)
+    bars = ax_mem.bar(labels, per_weight, bottom=bottom, color=f"C{i}",
+                      label=names.get(component, component.replace("_", " ")), width=0.55)
+    bars[-1].set(hatch="//", edgecolor="white", alpha=0.75)
     bottom += per_weight
   for x, total in enumerate(bottom):
     ax_mem.text(x, total + 0.2, f"{total:.2f} B", ha="center")
+  ax_mem.axvline(len(kinds) - 0.5, color="gray", lw=0.8, ls=":")
   ax_mem.set_ylim(0, max(18.0, bottom.max() + 1.5))
   ax_mem.set(ylabel="bytes per weight", title="Training memory per weight",
              xlabel=f"{memory['num_params']:,} weights, Adam moments in {summary['placement']}")
-  ax_mem.legend(fontsize=8, loc="upper right")
+  ax_mem.legend(fontsize=8, loc="upper left")
   ax_mem.grid(alpha=0.3, axis="y")
 
   layers = f"{summary['layers']} layer{'s' if summary['layers'] > 1 else ''}"
@@ -489,16 +478,13 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
   # initializer (seconds of a short run).
   model = nnx.jit(lambda: CharGPT(len(vocab), args.seq_len, args.layers, args.d_model, args.heads,
                                   nnx.Rngs(args.seed)))()
-  # Host-resident moments are committed to their device; committing the
-  # weights too gives the jitted step one signature from its first call.
-  nnx.update(model, jax.device_put(nnx.state(model), jax.devices()[0]))
   tx = standard_optimizer(args.lr, args.steps, state_memory_kind=args.placement, kernel=args.kernel,
                           moment_format=args.moment_format)
   optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
-  # nnx.Optimizer makes its step counter uncommitted while the jitted step
-  # returns it committed: left so, the second call would compile the step again.
-  nnx.update(optimizer, jax.tree.map(
-      lambda a: a if a.committed else jax.device_put(a, a.sharding), nnx.state(optimizer)))
+  # A step that moves state between memory kinds returns committed arrays: the
+  # weights and nnx.Optimizer's step counter, uncommitted so far, are committed
+  # now, or the second call would compile the step again.
+  nnx.update((model, optimizer), optax_hybrid.commit(nnx.state((model, optimizer))))
   report = memory_report(nnx.state(model, nnx.Param), optimizer.opt_state)
   layers = f"{args.layers} layer{'s' if args.layers > 1 else ''}"
   print(f"model: {layers}, d_model {args.d_model}, {args.heads} heads, context {args.seq_len}; "
@@ -591,7 +577,11 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
           "saved_device_bytes": report.saved_device_bytes,
           "serving_bytes_per_weight": report.serving_bytes_per_weight,
           "weights_by_tier": report.weights_by_tier, "by_tier": report.by_tier,
-          "by_component": report.by_component},
+          "by_component": report.by_component,
+          # optax.adamw's state for the same params, all in device memory: the figure's comparison.
+          "optax_adamw_state_bytes": sum(
+              x.size * x.dtype.itemsize
+              for x in jax.tree.leaves(jax.eval_shape(optax.adamw(args.lr).init, nnx.state(model, nnx.Param))))},
       "sample": sample, "out_dir": os.path.abspath(out_dir),
   }
   write_metrics(os.path.join(out_dir, "metrics.csv"), rows)

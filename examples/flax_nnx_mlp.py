@@ -59,9 +59,6 @@ def main(argv=None) -> dict:
     parser.error("--checkpoint-every must be at least 1")
 
   model = MLP(args.width, nnx.Rngs(args.seed))
-  # Commit the weights to their device: host-resident state is committed, and a
-  # jitted step with committed inputs keeps one signature from its first call.
-  nnx.update(model, jax.device_put(nnx.state(model), jax.devices()[0]))
   warmup = max(1, int(0.03 * args.steps))
   schedule = optax_hybrid.warmup_cosine_schedule(
       args.lr, total_steps=args.steps, warmup_steps=warmup, eta_min=0.1 * args.lr)
@@ -71,10 +68,10 @@ def main(argv=None) -> dict:
                                 state_memory_kind=args.state_memory_kind),
   )
   optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
-  # nnx.Optimizer's own step counter is uncommitted, while the jitted step
-  # returns it committed: commit it now, or the second call compiles again.
-  nnx.update(optimizer, jax.tree.map(
-      lambda a: a if a.committed else jax.device_put(a, a.sharding), nnx.state(optimizer)))
+  # A step that moves state between memory kinds returns committed arrays: the
+  # weights and nnx.Optimizer's step counter, uncommitted so far, are committed
+  # now, or the second call would compile the step again.
+  nnx.update((model, optimizer), optax_hybrid.commit(nnx.state((model, optimizer))))
 
   @nnx.jit
   def train_step(model, optimizer, x, y):

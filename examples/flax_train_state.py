@@ -57,14 +57,16 @@ def main(argv=None) -> dict:
   rng = np.random.default_rng(args.seed)
   model = Classifier()
   params = model.init(jax.random.key(args.seed), jnp.zeros((1, 2)))["params"]
-  params = jax.device_put(params, jax.devices()[0])  # committed, like the host state
   schedule = optax_hybrid.warmup_cosine_schedule(
       args.lr, total_steps=args.steps, warmup_steps=max(1, args.steps // 20), eta_min=0.1 * args.lr)
   # No weight decay on biases, as usual.
   decay_mask = lambda p: jax.tree_util.tree_map_with_path(lambda path, _: path[-1].key != "bias", p)
   tx = optax_hybrid.hybrid_adamw(schedule, weight_decay=1e-4, mask=decay_mask,
                                  state_memory_kind="pinned_host")
-  state = train_state.TrainState.create(apply_fn=model.apply, params=params, tx=tx)
+  # Committed (params and TrainState's step): a step that moves state between
+  # memory kinds returns committed arrays, and uncommitted inputs would make
+  # its second call compile again.
+  state = optax_hybrid.commit(train_state.TrainState.create(apply_fn=model.apply, params=params, tx=tx))
 
   def loss_fn(params, x, y):
     logits = state.apply_fn({"params": params}, x)

@@ -13,6 +13,9 @@ Public API:
   (8-bit moments dequantized, disk moments read).
 * :func:`apply_updates`: ``optax.apply_updates`` that is correct for params in
   any memory kind.
+* :func:`commit`: commits what a jitted step takes (params, state, a
+  ``TrainState``, an NNX model and optimizer), so that a step with state in
+  host memory compiles once.
 * :func:`scan_layers`: ``jax.lax.scan`` over stacked layers that may live in
   host memory: one layer on the device at a time, the gradient written where
   the layers live (:mod:`optax_hybrid.streaming`).
@@ -28,8 +31,8 @@ Public API:
   the disk tier; :mod:`optax_hybrid.plan`: every per-leaf decision ``init``
   makes (``state.plan``).
 * :mod:`optax_hybrid.gpu_compile`: compile a step for an H100/H200 without a
-  GPU and read what XLA planned (``import optax_hybrid.gpu_compile``; needs the
-  ``gpu-compile`` extra).
+  GPU and read what XLA planned (``import optax_hybrid.gpu_compile``; needs
+  JAX's CUDA plugin: ``gpu_compile.install_cuda_plugin()``).
 """
 
 from optax_hybrid import checkpoint, disk, plan, recipe, report, tiers
@@ -37,6 +40,7 @@ from optax_hybrid.placement import (
     STATE_MEMORY_KINDS,
     apply_updates,
     available_memory_kinds,
+    commit,
     host_arithmetic_outside_host_compute,
 )
 from optax_hybrid.recipe import last_learning_rate, standard_optimizer
@@ -54,6 +58,7 @@ __all__ = [
     "STATE_MEMORY_KINDS",
     "apply_updates",
     "checkpoint",
+    "commit",
     "disk",
     "last_learning_rate",
     "memory_report",

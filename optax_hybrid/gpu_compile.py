@@ -23,11 +23,14 @@ Example::
   report.device_peak_bytes  # 8388608: the argument and the result
   report.kernels            # 1: one fusion
 
-Needs the CUDA PJRT plugin of the installed jaxlib's exact version
-(``pip install "optax-hybrid[gpu-compile]"``, or
-``pip install "jax-cuda12-plugin==<jax version>" "jax-cuda12-pjrt==<jax version>"``);
-no GPU and no driver. Keep ``JAX_PLATFORMS=cpu`` set so that the plugin does not
-become the default backend of the process.
+Needs JAX's CUDA plugin (``jax-cuda12-plugin`` and ``jax-cuda12-pjrt``) of
+the installed jaxlib's exact version; no GPU and no driver.
+:func:`install_cuda_plugin` puts it in a cache directory
+(:func:`cuda_plugin_dir`) outside the environment's site-packages, where only
+this module loads it: the environment's other JAX programs never see it
+(installed into the environment, JAX would load it in every process, and on a
+machine without CUDA ``import jax`` logs CUDA errors). A plugin JAX already
+loaded (installed with the ``gpu-compile`` extra) is used as it is.
 
 Compile time, not run time: the figures say what XLA planned (buffers, kernels,
 copies), not how fast the program runs or how much bandwidth it reaches.
@@ -40,9 +43,14 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import importlib
 import importlib.metadata
+import importlib.util
 import os
 import re
+import shlex
+import shutil
+import subprocess
 import sys
 import tempfile
 from typing import Any, Callable, Iterator, Sequence
@@ -61,6 +69,8 @@ __all__ = [
     "compile_for_gpu",
     "compile_lowered",
     "count_hlo",
+    "cuda_plugin_dir",
+    "install_cuda_plugin",
     "load_target",
     "loop_transfers",
     "target_device_memory_bytes",
@@ -74,7 +84,11 @@ TARGETS = {"h100": "h100.txtpb", "h200": "h200.txtpb"}
 # XLA silently turns into (slow) host compute.
 _FALLBACK_PATTERNS = ("does device compute in host memory space", "Converting into host compute")
 
+# JAX's CUDA plugin: its two distributions, the package that tells whether it
+# is on the path, and the module JAX's plugin discovery imports.
 _PLUGIN_PACKAGES = ("jax-cuda12-plugin", "jax-cuda12-pjrt")
+_PLUGIN_PACKAGE = "jax_cuda12_plugin"
+_PLUGIN_MODULE = "jax_plugins.xla_cuda12"
 
 
 class GpuCompileError(RuntimeError):
@@ -125,27 +139,127 @@ def target_device_memory_bytes(target: str) -> int:
   return int(match.group(1))
 
 
-def _check_plugin() -> None:
-  """Raises a :class:`GpuCompileError` naming the pip command if the CUDA plugin is unusable."""
+# --- the CUDA plugin ------------------------------------------------------------
+
+def cuda_plugin_dir() -> str:
+  """The directory :func:`install_cuda_plugin` installs JAX's CUDA plugin into, and where it is loaded from.
+
+  ``$XDG_CACHE_HOME/optax_hybrid/jax-cuda12-<jaxlib version>`` (``~/.cache``
+  when ``XDG_CACHE_HOME`` is unset). It is on no process's path: JAX does not
+  load the plugin when it starts; :func:`compile_for_gpu` loads it from here
+  when JAX has not loaded one of its own.
+
+  Returns:
+    The directory's path (it may not exist yet).
+  """
+  cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+  return os.path.join(cache, "optax_hybrid", f"jax-cuda12-{importlib.metadata.version('jaxlib')}")
+
+
+def _pip_command(target: str) -> list[str]:
   jax_version = importlib.metadata.version("jaxlib")
-  command = (f'pip install "jax-cuda12-plugin=={jax_version}" "jax-cuda12-pjrt=={jax_version}"'
-             ' (or pip install "optax-hybrid[gpu-compile]")')
+  return [sys.executable, "-m", "pip", "install", "--no-deps", "--target", target,
+          *(f"{package}=={jax_version}" for package in _PLUGIN_PACKAGES)]
+
+
+def _install_hint() -> str:
+  return ("python -c 'from optax_hybrid import gpu_compile; gpu_compile.install_cuda_plugin()' "
+          f"(runs {shlex.join(_pip_command(cuda_plugin_dir()))})")
+
+
+def install_cuda_plugin() -> str:
+  """Installs JAX's CUDA plugin of jaxlib's version into :func:`cuda_plugin_dir`, unless it is there.
+
+  Runs ``pip install --no-deps --target`` (about 480 MB) into a temporary
+  directory beside it, renamed into place when complete, under a file lock:
+  concurrent calls (test workers) install once.
+
+  Returns:
+    :func:`cuda_plugin_dir`.
+
+  Raises:
+    GpuCompileError: pip failed (its output is in the message).
+  """
+  import fcntl  # the plugin exists for Linux only
+
+  directory = cuda_plugin_dir()
+  if os.path.isdir(directory):
+    return directory
+  os.makedirs(os.path.dirname(directory), exist_ok=True)
+  with open(directory + ".lock", "w") as lock:
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    if not os.path.isdir(directory):
+      partial = tempfile.mkdtemp(prefix=os.path.basename(directory) + ".partial-", dir=os.path.dirname(directory))
+      proc = subprocess.run(_pip_command(partial), capture_output=True, text=True)
+      if proc.returncode != 0:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise GpuCompileError(f"Installing the CUDA plugin failed ({shlex.join(proc.args)}):\n{proc.stderr[-3000:]}")
+      os.rename(partial, directory)
+  return directory
+
+
+def _check_plugin_versions() -> None:
+  """Raises a :class:`GpuCompileError` if the plugin on the path is not of jaxlib's version."""
+  jax_version = importlib.metadata.version("jaxlib")
   for package in _PLUGIN_PACKAGES:
     try:
       version = importlib.metadata.version(package)
     except importlib.metadata.PackageNotFoundError:
-      raise GpuCompileError(f"Compiling for a GPU needs {package}, which is not installed: {command}.") from None
+      raise GpuCompileError(f"Compiling for a GPU needs {package} {jax_version}, which is not installed: "
+                            f"{_install_hint()}.") from None
     if version != jax_version:
-      raise GpuCompileError(f"{package} {version} does not match jaxlib {jax_version}: {command}.")
+      raise GpuCompileError(
+          f"{package} {version} does not match jaxlib {jax_version}: install {jax_version} where {version} is "
+          f'(pip install "jax-cuda12-plugin=={jax_version}" "jax-cuda12-pjrt=={jax_version}"), or uninstall '
+          f"it and use {_install_hint()}.")
+
+
+def _put_plugin_on_path() -> None:
+  """Appends :func:`cuda_plugin_dir` to ``sys.path`` if no CUDA plugin is importable; checks its version."""
+  if importlib.util.find_spec(_PLUGIN_PACKAGE) is None:
+    directory = cuda_plugin_dir()
+    if not os.path.isdir(directory):
+      raise GpuCompileError(f"Compiling for a GPU needs JAX's CUDA plugin, which is neither installed nor in "
+                            f"{directory}: {_install_hint()}.")
+    sys.path.append(directory)
+    importlib.invalidate_caches()
+  _check_plugin_versions()
+
+
+def _register_plugin() -> None:
+  """Registers the CUDA plugin with JAX, as JAX's plugin discovery does when it starts.
+
+  Needed when JAX started without the plugin on its path (it is loaded from
+  :func:`cuda_plugin_dir`), or when the plugin's own start failed because the
+  machine has no CUDA (it checks the CUDA runtime unless ``JAX_PLATFORMS``
+  excludes CUDA): compiling needs no CUDA runtime, so that check is skipped.
+  """
+  module = importlib.import_module(_PLUGIN_MODULE)
+  saved = os.environ.get("JAX_SKIP_CUDA_CONSTRAINTS_CHECK")
+  os.environ["JAX_SKIP_CUDA_CONSTRAINTS_CHECK"] = "1"
+  try:
+    module.initialize()
+  finally:
+    if saved is None:
+      del os.environ["JAX_SKIP_CUDA_CONSTRAINTS_CHECK"]
+    else:
+      os.environ["JAX_SKIP_CUDA_CONSTRAINTS_CHECK"] = saved
 
 
 @functools.lru_cache(maxsize=None)
 def _topology_devices(target_text: str, num_devices: int) -> tuple:
-  _check_plugin()
   from jax.experimental import topologies
+
+  jax.devices()  # JAX first loads the plugins on its own path
+  _put_plugin_on_path()
+  get = functools.partial(topologies.get_topology_desc, platform="cuda", target_config=target_text,
+                          topology=f"1x1x{num_devices}")
   try:
-    topology = topologies.get_topology_desc(platform="cuda", target_config=target_text,
-                                            topology=f"1x1x{num_devices}")
+    try:
+      topology = get()
+    except NotImplementedError:  # JAX has not registered the plugin
+      _register_plugin()
+      topology = get()
   except Exception as e:  # the plugin's own error, whatever its type
     raise GpuCompileError(f"Could not build a deviceless CUDA topology of {num_devices} device(s): {e}") from e
   return tuple(topology.devices)

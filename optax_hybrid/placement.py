@@ -288,6 +288,64 @@ def step_counter_like(state_leaves: Sequence[Any]) -> Any:
   return jnp.zeros([], jnp.int32, device=replicated)
 
 
+def commit(tree: Any) -> Any:
+  """``tree`` with every uncommitted value committed to a device, so that a jitted step compiles once.
+
+  JAX compiles a jitted function again when an argument that was uncommitted
+  (free to move: what ``jnp``, ``jax.random``, Flax's ``init``, Optax's
+  counters and ``nnx.Optimizer``'s step make) comes back committed. A step
+  whose program moves values between memory kinds (state in host memory:
+  every tier but ``"device"``) returns only committed arrays, whatever its
+  inputs, so such inputs make its second call compile the whole step again.
+  Commit what the step takes before its first call: params, optimizer state,
+  a ``TrainState``, or an NNX model and optimizer together (see the example).
+
+  Committed arrays are kept as they are (host state stays in host memory).
+  Uncommitted arrays, Python numbers and NumPy arrays become arrays committed,
+  in device memory, replicated over the devices of the first committed array
+  of ``tree`` that has a replicable sharding (one device, or a mesh), else
+  to the device they are on (the default device for numbers). Other leaves
+  (``None``, ``ShapeDtypeStruct`` s, tracers) are kept.
+
+  Args:
+    tree: a pytree.
+
+  Returns:
+    The same tree, committed.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, optax_hybrid
+    >>> params = {"w": jnp.ones((4, 3))}
+    >>> tx = optax_hybrid.hybrid_adamw(1e-3, state_memory_kind="pinned_host")
+    >>> params, state = optax_hybrid.commit((params, tx.init(params)))
+    >>> params["w"].committed, state.mu["w"].sharding.memory_kind
+    (True, 'pinned_host')
+
+    With Flax NNX, commit the model and its optimizer in place:
+    ``nnx.update((model, optimizer), optax_hybrid.commit(nnx.state((model,
+    optimizer))))``.
+  """
+  leaves, treedef = jax.tree.flatten(tree)
+  arrays = [x for x in leaves if isinstance(x, jax.Array) and not _compat.is_tracer(x)]
+  target = None
+  for x in arrays:
+    if x.committed:
+      target = _replicated_like(x.sharding)
+      if target is not None:
+        break
+
+  def committed(x):
+    if isinstance(x, jax.Array):
+      if _compat.is_tracer(x) or x.committed:
+        return x
+      return jax.device_put(x, target or x.sharding)
+    if isinstance(x, (int, float, complex, np.ndarray, np.generic)):
+      return jax.device_put(x, target or jax.devices()[0])
+    return x
+
+  return jax.tree.unflatten(treedef, [committed(x) for x in leaves])
+
+
 # ---------------------------------------------------------------------------
 # Running a step where each leaf belongs
 # ---------------------------------------------------------------------------

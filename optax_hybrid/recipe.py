@@ -9,8 +9,10 @@ frozen groups that hold no optimizer state at all.
 
 from __future__ import annotations
 
+import difflib
 import fnmatch
 import functools
+import inspect
 import numbers
 import re
 from typing import Any, Callable, Mapping, NamedTuple, Optional, Union
@@ -485,6 +487,23 @@ def _scaled(schedule: optax.Schedule, multiplier: float) -> optax.Schedule:
 # ---------------------------------------------------------------------------
 
 
+def _check_hybrid_options(hybrid_options: Mapping[str, Any]) -> None:
+  """Raises a TypeError naming ``standard_optimizer`` and the closest option for a keyword nobody takes."""
+  # hybrid_adamw's arguments less those the recipe sets itself.
+  hybrid_keywords = [name for name in inspect.signature(hybrid_adamw).parameters
+                     if name not in ("learning_rate", "b1", "b2", "eps", "weight_decay", "mask", "weight_decay_mask")]
+  own = [name for name, p in inspect.signature(standard_optimizer).parameters.items()
+         if p.kind is not inspect.Parameter.VAR_KEYWORD]
+  for name in hybrid_options:
+    if name not in hybrid_keywords:
+      close = difflib.get_close_matches(name, own + hybrid_keywords, n=1)
+      hint = f"; did you mean {close[0]!r}?" if close else "."
+      raise TypeError(
+          f"standard_optimizer() got an unexpected keyword argument {name!r}{hint} It takes its own "
+          f"arguments ({', '.join(own)}) and hybrid_adamw's keyword options ({', '.join(hybrid_keywords)})."
+      )
+
+
 def standard_optimizer(
     learning_rate: Optional[float] = None,
     total_steps: Optional[int] = None,
@@ -602,8 +621,9 @@ def standard_optimizer(
       ``warmup`` fraction ``>= 1``, ``accumulation_steps < 1``, ...),
       arguments that contradict each other, an unknown ``param_groups`` key,
       and, at ``init``, a pattern that matches no parameter.
-    TypeError: for arguments of the wrong type, or a keyword argument
-      ``hybrid_adamw`` does not take.
+    TypeError: for arguments of the wrong type, or a keyword argument that
+      neither it nor ``hybrid_adamw`` takes (the message suggests the closest
+      name).
 
   Example:
     >>> import jax, jax.numpy as jnp, optax_hybrid
@@ -638,8 +658,10 @@ def standard_optimizer(
           f"(path, param) -> bool), not `{name}`."
       )
 
+  _check_hybrid_options(hybrid_options)
+
   def adamw(lr, wd):
-    return hybrid_adamw(lr, b1, b2, eps, wd, mask=mask, **hybrid_options)
+    return hybrid_adamw(lr, b1=b1, b2=b2, eps=eps, weight_decay=wd, mask=mask, **hybrid_options)
 
   core = adamw(sched, weight_decay)
   trainable_groups = 1
@@ -665,15 +687,23 @@ def standard_optimizer(
   return tx
 
 
-def last_learning_rate(opt_state: Any) -> jax.Array:
-  """The learning rate of the latest update, read from a :func:`standard_optimizer` state.
+def last_learning_rate(opt_state: Any, learning_rate: Any = None) -> jax.Array:
+  """The learning rate of the latest update, read from a :func:`standard_optimizer` or :func:`hybrid_adamw` state.
 
   It is the default group's rate (the schedule's value; multiply by a group's
   ``lr_multiplier`` for that group), for the latest update actually taken:
   micro-steps of an accumulation and skipped non-finite steps do not change
   it. Before the first update it is the rate the first update will use. A
-  transform chained after the recipe (e.g. ``optax.contrib.reduce_on_plateau``)
-  scales the updates on its own; its factor is not included.
+  transform chained after the optimizer (e.g.
+  ``optax.contrib.reduce_on_plateau``) scales the updates on its own; its
+  factor is not included.
+
+  A :func:`standard_optimizer` state records the rate. A plain
+  :func:`optax_hybrid.hybrid_adamw` state records only its ``count`` (the
+  updates taken), so pass the ``learning_rate`` given to ``hybrid_adamw``
+  (a float or the schedule): the rate is then ``learning_rate(max(count - 1,
+  0))``, the value ``hybrid_adamw`` used (it evaluates the schedule at the
+  count before incrementing it).
 
   Works on the raw Optax state, nested anywhere (``optax.chain``,
   ``optax.MultiSteps``), inside ``jit``, and on ``nnx.Optimizer.opt_state``
@@ -681,32 +711,62 @@ def last_learning_rate(opt_state: Any) -> jax.Array:
 
   Args:
     opt_state: the state of a :func:`standard_optimizer` transformation, or of
-      a transformation that contains exactly one.
+      a transformation that contains exactly one; or, with
+      ``learning_rate``, a state that contains :func:`hybrid_adamw` states
+      (the count of the first one that holds moments is read).
+    learning_rate: for a state that does not record its rate (a plain
+      ``hybrid_adamw`` one): the float or schedule given to ``hybrid_adamw``.
+      Leave it out for a :func:`standard_optimizer` state.
 
   Returns:
     A float32 scalar ``jax.Array``.
 
   Raises:
-    ValueError: if ``opt_state`` holds no :class:`LearningRateState`, or more
-      than one.
+    ValueError: if ``opt_state`` holds more than one
+      :class:`LearningRateState`; none and no ``learning_rate`` (the message
+      says to pass it), or no ``hybrid_adamw`` state either; or a
+      :class:`LearningRateState` and a ``learning_rate`` too.
 
   Example:
-    >>> import jax, jax.numpy as jnp
+    >>> import jax, jax.numpy as jnp, optax_hybrid
     >>> from optax_hybrid.recipe import standard_optimizer, last_learning_rate
     >>> tx = standard_optimizer(1.0, total_steps=100, warmup=10, min_lr=0.1)
     >>> state = tx.init({"w": jnp.ones((2, 2))})
     >>> _, state = jax.jit(tx.update)({"w": jnp.ones((2, 2))}, state, {"w": jnp.ones((2, 2))})
     >>> float(jax.jit(last_learning_rate)(state))  # (0 + 1) / 10 * 1.0
     0.10000000149011612
+    >>> schedule = optax_hybrid.warmup_cosine_schedule(1.0, total_steps=100, warmup_steps=10, eta_min=0.1)
+    >>> tx = optax_hybrid.hybrid_adamw(schedule)
+    >>> state = tx.init({"w": jnp.ones((2, 2))})
+    >>> _, state = jax.jit(tx.update)({"w": jnp.ones((2, 2))}, state, {"w": jnp.ones((2, 2))})
+    >>> float(last_learning_rate(state, schedule))  # the first update's: (0 + 1) / 10 * 1.0
+    0.10000000149011612
   """
   is_record = lambda x: isinstance(x, LearningRateState)
   records = [s for s in jax.tree.leaves(opt_state, is_leaf=is_record) if is_record(s)]
-  if len(records) != 1:
+  if len(records) > 1 or (records and learning_rate is not None):
     raise ValueError(
-        "last_learning_rate: `opt_state` must contain exactly one standard_optimizer "
-        f"state (LearningRateState), found {len(records)}; pass the state made by "
-        "standard_optimizer(...).init (or nnx.Optimizer.opt_state)."
+        f"last_learning_rate: `opt_state` holds {len(records)} standard_optimizer state(s) "
+        "(LearningRateState), which record their rate: pass a state with exactly one, and no "
+        "`learning_rate`."
     )
-  # An nnx Variable is a pytree node around the array: flattening unwraps it.
-  (value,) = jax.tree.leaves(records[0].learning_rate)
-  return jnp.asarray(value, jnp.float32)
+  if records:
+    # An nnx Variable is a pytree node around the array: flattening unwraps it.
+    (value,) = jax.tree.leaves(records[0].learning_rate)
+    return jnp.asarray(value, jnp.float32)
+  if not _hybrid_states(opt_state):
+    raise ValueError(
+        "last_learning_rate: `opt_state` must contain exactly one standard_optimizer state "
+        "(LearningRateState) or a hybrid_adamw state; found neither. Pass the state made by "
+        "standard_optimizer(...).init or hybrid_adamw(...).init (or nnx.Optimizer.opt_state)."
+    )
+  if learning_rate is None:
+    raise ValueError(
+        "last_learning_rate: a hybrid_adamw state records its count, not its learning rate: pass the "
+        "learning rate or schedule given to hybrid_adamw, last_learning_rate(state, learning_rate) "
+        "(standard_optimizer's state records it)."
+    )
+  (count,) = jax.tree.leaves(_stepping_count(opt_state))
+  if not callable(learning_rate):
+    return jnp.asarray(learning_rate, jnp.float32)
+  return jnp.asarray(learning_rate(jnp.maximum(jnp.asarray(count) - 1, 0)), jnp.float32)

@@ -555,10 +555,12 @@ def hybrid_adamw(
       exactly on it. Small steps then accumulate instead of rounding away.
 
   All numeric hyperparameters may be traced, so
-  ``optax.inject_hyperparams(hybrid_adamw)(...)`` works and changing an
-  injected value does not recompile (pass ``hyperparam_dtype=jnp.float32``
-  there for low-precision params: Optax otherwise casts the injected betas to
-  the params' dtype).
+  ``optax.inject_hyperparams(hybrid_adamw)(...)`` works, and changing an
+  injected value does not recompile when the new value has the old one's
+  shape, dtype, weak type and committedness (``jnp.full_like(old, value)``;
+  a Python float is weakly typed and compiles the step once more). Pass
+  ``hyperparam_dtype=jnp.float32`` there for low-precision params: Optax
+  otherwise casts the injected betas to the params' dtype.
 
   Returns:
     A :class:`HybridAdamW`: an ``optax.GradientTransformationExtraArgs`` whose

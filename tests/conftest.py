@@ -1,14 +1,15 @@
 import collections
+import importlib.util
 import os
 import sys
 
 import pytest
 
-# Before anything imports jax: the tests run on the CPU backend. With the CUDA
-# PJRT plugin installed (the `gpu-compile` extra, for tests/test_gpu_compile.py,
-# which compiles for a GPU without one) JAX would otherwise try CUDA first and
-# could change the default backend of every test. Subprocesses started by the
-# tests inherit the variable. An explicit JAX_PLATFORMS (a GPU run) is kept.
+# Before anything imports jax: the tests run on the CPU backend. With JAX's CUDA
+# plugin installed in the environment (the `gpu-compile` extra) JAX would
+# otherwise try CUDA first and could change the default backend of every test.
+# Subprocesses started by the tests inherit the variable. An explicit
+# JAX_PLATFORMS (a GPU run) is kept.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 # The float64 NumPy references live beside the tests.
@@ -57,8 +58,29 @@ IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 # native kernel, and the test extra installs Sphinx and MyST (the docs site), so
 # all are tested there, and a skip would hide a broken install.
 NOT_SKIPPED_IN_CI = ("could not import 'torch'", "native kernel:", "could not import 'sphinx'",
-                     "could not import 'myst_parser'")
+                     "could not import 'myst_parser'", "JAX's CUDA plugin:",
+                     "the environment has JAX's CUDA plugin installed")
 _skipped_in_ci = []
+
+
+@pytest.fixture(scope="session")
+def cuda_compiler_plugin():
+  """JAX's CUDA plugin, for the tests that compile for a GPU (``optax_hybrid.gpu_compile``).
+
+  Unless the environment has it (the ``gpu-compile`` extra), it is installed
+  once into ``gpu_compile.cuda_plugin_dir()``, a cache outside the
+  environment, from where only ``gpu_compile`` loads it: installing the tests
+  leaves what ``import jax`` does in the environment unchanged.
+  """
+  if importlib.util.find_spec("jax_cuda12_plugin") is not None:
+    return
+  if not (sys.platform == "linux" and os.uname().machine == "x86_64"):
+    pytest.skip(f"JAX's CUDA plugin: no wheel for {sys.platform} {os.uname().machine}")
+  from optax_hybrid import gpu_compile
+  try:
+    gpu_compile.install_cuda_plugin()
+  except gpu_compile.GpuCompileError as e:
+    pytest.skip(f"JAX's CUDA plugin: {e}")
 
 
 def _reason(report):

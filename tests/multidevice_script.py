@@ -7,6 +7,7 @@ assert "--xla_force_host_platform_device_count=8" in os.environ.get("XLA_FLAGS",
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+import optax  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 import optax_hybrid  # noqa: E402
@@ -251,4 +252,15 @@ with tempfile.TemporaryDirectory() as d:
   for k in shapes:
     np.testing.assert_allclose(np.asarray(jax.device_get(p_a[k])), np.asarray(jax.device_get(p_b[k])), rtol=1e-6,
                                atol=1e-7)
+# optax_hybrid.commit commits what Optax leaves uncommitted (inject_hyperparams'
+# values and count) replicated over the mesh of the sharded params: one compile.
+tx_i = optax.inject_hyperparams(optax_hybrid.hybrid_adamw)(learning_rate=1e-2, tiers="host")
+p_i = shard(host_values)
+p_i, s_i = optax_hybrid.commit((p_i, tx_i.init(p_i)))
+assert s_i.hyperparams["learning_rate"].sharding == NamedSharding(mesh, P()), s_i.hyperparams["learning_rate"].sharding
+assert s_i.inner_state.mu["w"].sharding.memory_kind == "pinned_host"
+step_i = jax.jit(lambda p, s, g: (lambda u, s: (optax_hybrid.apply_updates(p, u), s))(*tx_i.update(g, s, p)))
+for g in grads_np[:3]:
+  p_i, s_i = step_i(p_i, s_i, shard(g))
+assert step_i._cache_size() == 1, step_i._cache_size()
 print("MULTIDEVICE OK")

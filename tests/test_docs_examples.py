@@ -126,7 +126,9 @@ def test_every_python_block_is_found():
 
 
 @pytest.mark.parametrize("page, line, code, printed", SINGLE, ids=[example_id(e[0], e[1]) for e in SINGLE])
-def test_example_runs(page, line, code, printed):
+def test_example_runs(page, line, code, printed, request):
+  if "gpu_compile" in code:  # compiles for a GPU: needs JAX's CUDA plugin (tests/conftest.py)
+    request.getfixturevalue("cuda_compiler_plugin")
   run_example(code, example_id(page, line), printed)
 
 

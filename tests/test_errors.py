@@ -46,7 +46,11 @@ def recipe(**kw):
 
 
 def update_with(tx, grads=GRADS, params=PARAMS, jit=False):
-  state = tx.init(PARAMS)
+  """``tx.update``: a row whose function is ``update`` must not raise at ``init`` already."""
+  try:
+    state = tx.init(PARAMS)
+  except Exception as e:  # noqa: BLE001: any exception here means the table names the wrong function
+    raise AssertionError(f"raised by init, not update: {e!r}") from e
   update = jax.jit(tx.update) if jit else tx.update
   return update(grads, state, params)
 
@@ -178,10 +182,10 @@ TRIGGERS = {
     "params-tree": lambda: update_with(hybrid(weight_decay=0.1), params={"w": PARAMS["w"]}),
     "mask-callable-no-params": lambda: update_with(hybrid(weight_decay=0.1, mask=lambda p: {"w": True, "b": False}),
                                                    params=None),
-    "mask-tree": lambda: update_with(hybrid(weight_decay=0.1, mask={"w": True, "x": False})),
-    "mask-leaf": lambda: update_with(hybrid(weight_decay=0.1, mask={"w": 1.0, "b": True})),
-    "mask-traced": lambda: update_with(
-        hybrid(weight_decay=0.1, mask=lambda p: jax.tree.map(lambda x: x.sum() > 0, p)), jit=True),
+    "mask-tree": lambda: hybrid(weight_decay=0.1, mask={"w": True, "x": False}).init(PARAMS),
+    "mask-leaf": lambda: hybrid(weight_decay=0.1, mask={"w": 1.0, "b": True}).init(PARAMS),
+    "mask-traced": lambda: jax.jit(
+        hybrid(weight_decay=0.1, mask=lambda p: jax.tree.map(lambda x: x.sum() > 0, p)).init)(PARAMS),
     "fused-needs-params": lambda: hybrid().step(None, hybrid().init(PARAMS), GRADS),
     "tiers-unknown": lambda: hybrid(tiers={"w": "gpu", "b": "host"}),
     "tiers-disk-host-param": lambda: hybrid(tiers="disk").init({"w": jax.device_put(
@@ -215,11 +219,14 @@ TRIGGERS = {
     "recipe-group-pattern-type": lambda: recipe(param_groups={3: {}}),
     "recipe-decay-mask-type": lambda: recipe(decay_mask={"w": True, "b": False}),
     "recipe-mask-option": lambda: recipe(mask={"w": True, "b": False}),
+    "recipe-unknown-option": lambda: recipe(weight_decy=0.1),
     "recipe-group-unmatched": lambda: recipe(param_groups={"haed/*": {"lr_multiplier": 2.0}}).init(PARAMS),
     "recipe-group-shadowed": lambda: recipe(param_groups={"*": {"lr_multiplier": 2.0},
                                                           "w": {"frozen": True}}).init(PARAMS),
-    "recipe-decay-mask-result": lambda: update_with(recipe(decay_mask=lambda path, p: p.ndim), jit=True),
-    "last-lr-no-record": lambda: optax_hybrid.recipe.last_learning_rate(hybrid().init(PARAMS)),
+    "recipe-decay-mask-result": lambda: recipe(decay_mask=lambda path, p: p.ndim).init(PARAMS),
+    "last-lr-no-record": lambda: optax_hybrid.recipe.last_learning_rate(optax.adamw(1e-3).init(PARAMS)),
+    "last-lr-needs-rate": lambda: optax_hybrid.recipe.last_learning_rate(hybrid().init(PARAMS)),
+    "last-lr-rate-and-record": lambda: optax_hybrid.recipe.last_learning_rate(recipe().init(PARAMS), 1e-3),
     "report-traced": lambda: jax.jit(lambda p, s: optax_hybrid.report.memory_report(p, s).device_bytes)(
         PARAMS, hybrid().init(PARAMS)),
     "report-param-type": lambda: optax_hybrid.report.memory_report({"w": np.ones(3, np.float32)}, ()),

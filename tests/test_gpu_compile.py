@@ -1,7 +1,8 @@
 """The optimizer step compiled for real GPUs (H100, H200) on this CPU machine: what each tier promises.
 
-XLA:GPU compiles deviceless (``optax_hybrid.gpu_compile``; the CUDA plugin comes
-with the ``gpu-compile`` extra). Each tier's combinations (kernel x path x
+XLA:GPU compiles deviceless (``optax_hybrid.gpu_compile``; JAX's CUDA plugin is
+installed into a cache directory by the ``cuda_compiler_plugin`` fixture,
+tests/conftest.py). Each tier's combinations (kernel x path x
 dtype x real/abstract inputs, see ``gpu_compile_script.combinations``) are
 compiled in one subprocess (``gpu_compile_script.py``), which prints one JSON
 line per combination; an XLA abort fails the combination in progress, and the
@@ -51,7 +52,7 @@ import pytest
 from compile_flags import without_fast_compiles
 from loading import load_script
 
-pytest.importorskip("jax_cuda12_plugin", reason="needs the gpu-compile extra (jax-cuda12-plugin, jax-cuda12-pjrt)")
+pytestmark = pytest.mark.usefixtures("cuda_compiler_plugin")
 
 SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu_compile_script.py")
 script = load_script("tests/gpu_compile_script.py")

@@ -43,7 +43,8 @@ import pytest
 from compile_flags import without_fast_compiles
 from loading import load_script
 
-pytest.importorskip("jax_cuda12_plugin", reason="needs the gpu-compile extra (jax-cuda12-plugin, jax-cuda12-pjrt)")
+# JAX's CUDA plugin, installed into a cache directory if the environment has none (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("cuda_compiler_plugin")
 
 SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "model_compile_script.py")
 script = load_script("tests/model_compile_script.py")

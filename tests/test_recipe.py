@@ -346,9 +346,37 @@ def test_skip_nonfinite_skips_every_group_together():
   assert optax_hybrid.host_arithmetic_outside_host_compute(jaxpr) == []
 
 
-def test_last_learning_rate_needs_a_recipe_state():
-  with pytest.raises(ValueError, match="found 0"):
+def test_last_learning_rate_needs_a_recipe_or_hybrid_state():
+  with pytest.raises(ValueError, match="found neither"):
     last_learning_rate(optax.adamw(1e-3).init({"w": jnp.ones(2)}))
+
+
+def test_last_learning_rate_of_a_plain_hybrid_adamw_state():
+  """The rate of the latest update taken, from the count and the schedule (issue 22), inside jit."""
+  hand = warmup_cosine(1e-2, 6, 2, 1e-3)
+  schedule = optax_hybrid.warmup_cosine_schedule(1e-2, total_steps=6, warmup_steps=2, eta_min=1e-3)
+  tx = optax.chain(optax.clip_by_global_norm(1.0), optax_hybrid.hybrid_adamw(schedule, skip_nonfinite=True))
+
+  @jax.jit
+  def step(p, s, g):
+    u, s = tx.update(g, s, p)
+    return optax.apply_updates(p, u), s, last_learning_rate(s, schedule)
+
+  grads = tiny_grads(4)
+  grads[2]["bias"][0] = np.inf  # a skipped update: neither the count nor the rate moves
+  params, state = TINY, tx.init(TINY)
+  rates = [float(last_learning_rate(state, schedule))]  # before any update: the first one's
+  for g in grads:
+    params, state, lr = step(params, state, g)
+    rates.append(float(lr))
+  np.testing.assert_allclose(rates, [hand(0), hand(0), hand(1), hand(1), hand(2)], rtol=1e-6)
+  # A constant rate, and a state kept by nnx.Optimizer (arrays in Variables).
+  assert float(last_learning_rate(optax_hybrid.hybrid_adamw(3e-4).init(TINY), 3e-4)) == np.float32(3e-4)
+  model = nnx.Linear(3, 2, rngs=nnx.Rngs(0))
+  optimizer = nnx.Optimizer(model, optax_hybrid.hybrid_adamw(schedule), wrt=nnx.Param)
+  optimizer.update(model, jax.tree.map(jnp.ones_like, nnx.state(model, nnx.Param)))
+  optimizer.update(model, jax.tree.map(jnp.ones_like, nnx.state(model, nnx.Param)))
+  assert float(last_learning_rate(optimizer.opt_state, schedule)) == pytest.approx(hand(1), rel=1e-6)
 
 
 P = {"w": jnp.ones((2, 2))}

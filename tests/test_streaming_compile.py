@@ -31,7 +31,6 @@ import pytest
 from compile_flags import without_fast_compiles
 from loading import load_script
 
-pytest.importorskip("jax_cuda12_plugin", reason="needs the gpu-compile extra (jax-cuda12-plugin, jax-cuda12-pjrt)")
 
 SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "streaming_compile_script.py")
 script = load_script("tests/streaming_compile_script.py")
@@ -54,7 +53,8 @@ def compiled() -> dict:
   return results
 
 
-pytestmark = pytest.mark.xdist_group("tests/test_streaming_compile.py")
+# JAX's CUDA plugin, installed into a cache directory if the environment has none (tests/conftest.py).
+pytestmark = [pytest.mark.usefixtures("cuda_compiler_plugin"), pytest.mark.xdist_group("tests/test_streaming_compile.py")]
 
 
 def case(layers, offload=False, inputs="abstract"):
