@@ -3,6 +3,7 @@
     python examples/char_gpt.py                  # 1.5 minutes on 2 CPU cores, writes runs/char_gpt-<time>/
     python -m examples.char_gpt --out-dir /tmp/gpt --steps 2000 --layers 4 --d-model 128  # a longer run
     python examples/char_gpt.py --placement device --kernel xla
+    python examples/char_gpt.py --stream-layers   # blocks in host memory, one on the device at a time
     python examples/char_gpt.py --help
 
 Run from the repository root with the package importable (``pip install -e .``
@@ -188,9 +189,29 @@ class Block(nnx.Module):
     return x + self.proj(jax.nn.gelu(self.fc(self.ln2(x))))
 
 
+class StackedBlocks(nnx.Module):
+  """The same blocks with their params stacked on a leading layer axis, run by ``optax_hybrid.scan_layers``.
+
+  Built from the list of blocks (so the same seed initializes the same
+  weights) into a block made with ``nnx.vmap``; its params can then live in
+  host memory, and each layer visits the device once for its forward and once
+  for its backward.
+  """
+
+  def __init__(self, blocks: Sequence[Block], d_model: int, heads: int):
+    keys = jax.random.split(jax.random.key(0), len(blocks))  # placeholders: overwritten just below
+    self.stack = nnx.vmap(lambda key: Block(d_model, heads, nnx.Rngs(key)))(keys)
+    nnx.update(self.stack, jax.tree.map(lambda *layers: jnp.stack(layers), *[nnx.state(b) for b in blocks]))
+
+  def __call__(self, x):
+    graphdef, state = nnx.split(self.stack)
+    return optax_hybrid.scan_layers(lambda x, layer: nnx.merge(graphdef, layer)(x), x, state)
+
+
 class CharGPT(nnx.Module):
 
-  def __init__(self, vocab_size: int, seq_len: int, layers: int, d_model: int, heads: int, rngs: nnx.Rngs):
+  def __init__(self, vocab_size: int, seq_len: int, layers: int, d_model: int, heads: int, rngs: nnx.Rngs,
+               stream_layers: bool = False):
     # Flax's default init (std 1/sqrt(d_model)) starts the tied logits at std
     # about 1, half a nat above uniform guessing; GPT-2's 0.02 starts nearer
     # ln(vocab_size) but learned clearly slower here (2.56 against 2.24 after
@@ -198,13 +219,17 @@ class CharGPT(nnx.Module):
     self.embed = nnx.Embed(vocab_size, d_model, rngs=rngs)
     # Named *embedding so that the recipe's Flax naming rule leaves it undecayed.
     self.pos_embedding = nnx.Param(0.02 * jax.random.normal(rngs.params(), (seq_len, d_model)))
-    self.blocks = nnx.List([Block(d_model, heads, rngs) for _ in range(layers)])
+    blocks = [Block(d_model, heads, rngs) for _ in range(layers)]
+    self.blocks = StackedBlocks(blocks, d_model, heads) if stream_layers else nnx.List(blocks)
     self.ln_f = nnx.LayerNorm(d_model, rngs=rngs)
 
   def __call__(self, tokens):
     x = self.embed(tokens) + self.pos_embedding[: tokens.shape[1]]
-    for block in self.blocks:
-      x = block(x)
+    if isinstance(self.blocks, StackedBlocks):
+      x = self.blocks(x)
+    else:
+      for block in self.blocks:
+        x = block(x)
     # Tied output layer: the logits score x against every character's embedding.
     return self.embed.attend(self.ln_f(x))
 
@@ -420,6 +445,9 @@ def make_parser() -> argparse.ArgumentParser:
       help="where the Adam moments live between steps (default pinned_host)")
   add("--kernel", choices=("auto", "xla", "native", "pallas"), default="auto",
       help="hybrid_adamw's update kernel (default auto; pallas off a GPU runs interpreted: slow)")
+  add("--stream-layers", action="store_true",
+      help="keep the blocks' params stacked in pinned_host memory and run them with optax_hybrid.scan_layers "
+           "(each layer on the device only for its forward and its backward; updated on the host)")
   add("--moment-format", choices=("float32", "bfloat16", "8bit"), default=None,
       help="how the Adam moments are stored (default: in the params' dtype, float32); 8bit: block-wise "
            "8-bit codes and scales, 2.03 bytes per weight for both moments")
@@ -446,6 +474,8 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
   if args.placement not in optax_hybrid.available_memory_kinds():
     parser.error(f"--placement {args.placement}: this backend has memory kinds "
                  f"{', '.join(optax_hybrid.available_memory_kinds())}")
+  if args.stream_layers and "pinned_host" not in optax_hybrid.available_memory_kinds():
+    parser.error("--stream-layers needs pinned_host memory, which this backend lacks")
   args.parser = parser
   return args
 
@@ -477,7 +507,10 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
   # Built under jit: one compiled program instead of a compilation per eager
   # initializer (seconds of a short run).
   model = nnx.jit(lambda: CharGPT(len(vocab), args.seq_len, args.layers, args.d_model, args.heads,
-                                  nnx.Rngs(args.seed)))()
+                                  nnx.Rngs(args.seed), stream_layers=args.stream_layers))()
+  if args.stream_layers:  # the stacked blocks' params move to host memory; the host tier updates them there
+    host = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="pinned_host")
+    nnx.update(model.blocks, jax.device_put(nnx.state(model.blocks), host))
   tx = standard_optimizer(args.lr, args.steps, state_memory_kind=args.placement, kernel=args.kernel,
                           moment_format=args.moment_format)
   optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
@@ -488,7 +521,8 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
   report = memory_report(nnx.state(model, nnx.Param), optimizer.opt_state)
   layers = f"{args.layers} layer{'s' if args.layers > 1 else ''}"
   print(f"model: {layers}, d_model {args.d_model}, {args.heads} heads, context {args.seq_len}; "
-        f"Adam moments in {args.placement} memory")
+        f"Adam moments in {args.placement} memory"
+        + ("; blocks streamed from pinned_host (scan_layers), updated on the host" if args.stream_layers else ""))
   print(report)
 
   # Donating model and optimizer together lets XLA update weights and moments
@@ -561,6 +595,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
       "steps": args.steps, "batch_size": args.batch_size, "seq_len": args.seq_len, "layers": args.layers,
       "d_model": args.d_model, "heads": args.heads, "lr": args.lr, "seed": args.seed,
       "placement": args.placement, "kernel": args.kernel, "moment_format": args.moment_format,
+      "stream_layers": args.stream_layers,
       "corpus": {"source": corpus.source, "train_files": len(corpus.train_files),
                  "val_files": len(corpus.val_files), "train_chars": int(len(train_ids)),
                  "val_chars": int(len(val_ids)), "vocab_size": len(vocab)},

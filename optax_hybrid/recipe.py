@@ -443,6 +443,20 @@ def accumulate_gradients(inner: optax.GradientTransformation, every_k: int) -> o
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
+def _scaled_where_they_live(leaves: list, factor: jax.Array) -> list:
+  """Each floating-point leaf times ``factor`` (in its dtype), computed where the leaf lives.
+
+  Host-resident leaves (the layers' gradients of ``scan_layers``, say) are
+  scaled together in one host computation: on a GPU, device arithmetic on a
+  host value would silently run as slow host compute.
+  """
+  scaled = placement.map_where_they_live(lambda g, f, _: g * f.astype(jnp.finfo(g.dtype).dtype),
+                                         [g for g in leaves if jnp.issubdtype(g.dtype, jnp.inexact)],
+                                         [factor] * sum(jnp.issubdtype(g.dtype, jnp.inexact) for g in leaves))
+  scaled = iter(scaled)
+  return [next(scaled) if jnp.issubdtype(g.dtype, jnp.inexact) else g for g in leaves]
+
+
 def _skip_together() -> optax.GradientTransformation:
   """Makes every gradient NaN when any is not finite, so that every group skips the step.
 
@@ -456,22 +470,29 @@ def _skip_together() -> optax.GradientTransformation:
     del params
     leaves, treedef = jax.tree.flatten(updates)
     factor = jnp.where(placement.all_finite(leaves), 1.0, jnp.nan).astype(jnp.float32)
-    out = list(leaves)
-    host = []
-    for i, g in enumerate(leaves):
-      if not jnp.issubdtype(g.dtype, jnp.inexact):
-        continue
-      if _compat.memory_space_of(g) == _compat.HOST:
-        host.append(i)
-      else:
-        out[i] = g * factor.astype(jnp.finfo(g.dtype).dtype)
-    if host:
-      scale = _compat.host_compute(
-          lambda gs, f: [g * f.astype(jnp.finfo(g.dtype).dtype) for g in gs],
-          out_memory_spaces=_compat.HOST)
-      for i, g in zip(host, scale([leaves[i] for i in host], _compat.move(factor, _compat.HOST))):
-        out[i] = g
-    return jax.tree.unflatten(treedef, out), state
+    return jax.tree.unflatten(treedef, _scaled_where_they_live(leaves, factor)), state
+
+  return optax.GradientTransformation(lambda params: optax.EmptyState(), update_fn)
+
+
+def _clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
+  """``optax.clip_by_global_norm`` for gradients in any memory kind.
+
+  Each leaf's sum of squares is computed where the leaf lives (host-resident
+  ones in one host computation), the norm on the device, and each leaf is
+  scaled where it lives. Optax's own reads every leaf on the device: with a
+  gradient in host memory (``scan_layers``' layers) it fails at trace time.
+  """
+
+  def update_fn(updates, state, params=None):
+    del params
+    leaves, treedef = jax.tree.flatten(updates)
+    inexact = [g for g in leaves if jnp.issubdtype(g.dtype, jnp.inexact)]
+    squares = placement.map_where_they_live(lambda g, _: jnp.sum(jnp.real(g * jnp.conj(g)).astype(jnp.float32)),
+                                            inexact)
+    norm = jnp.sqrt(sum((_compat.move(x, _compat.DEVICE) for x in squares), jnp.float32(0)))
+    factor = jnp.where(norm < max_norm, 1.0, max_norm / norm).astype(jnp.float32)
+    return jax.tree.unflatten(treedef, _scaled_where_they_live(leaves, factor)), state
 
   return optax.GradientTransformation(lambda params: optax.EmptyState(), update_fn)
 
@@ -526,7 +547,8 @@ def standard_optimizer(
 
   The "boring stack" (LLaMA/GPT practice) built from a handful of arguments:
 
-  1. ``optax.clip_by_global_norm(max_grad_norm)`` (skipped when ``None``);
+  1. clipping by global norm, as ``optax.clip_by_global_norm(max_grad_norm)``
+     does it, for gradients in any memory kind (skipped when ``None``);
   2. :func:`optax_hybrid.hybrid_adamw` with ``b1=0.9, b2=0.95, eps=1e-8,
      weight_decay=0.1`` and :func:`optax_hybrid.warmup_cosine_schedule`
      (``warmup`` steps of linear warmup to ``learning_rate``, then a cosine to
@@ -680,7 +702,7 @@ def standard_optimizer(
   if hybrid_options.get("skip_nonfinite", False) and trainable_groups > 1:
     parts.append(_skip_together())
   if max_grad_norm is not None:
-    parts.append(optax.clip_by_global_norm(max_grad_norm))
+    parts.append(_clip_by_global_norm(max_grad_norm))
   tx = _record_learning_rate(optax.chain(*parts, core), sched)
   if accumulation_steps > 1:
     tx = accumulate_gradients(tx, accumulation_steps)

@@ -41,6 +41,19 @@ def run(char_gpt, tmp_path_factory):
   return out_dir, summary
 
 
+def test_streamed_layers_train_to_the_same_losses(char_gpt, tmp_path):
+  """--stream-layers: the blocks stacked in pinned_host and run by scan_layers learn what the unrolled blocks learn."""
+  short = TINY + ["--steps", "12", "--layers", "2", "--sample-chars", "0"]
+  streamed = char_gpt.main(short + ["--stream-layers", "--out-dir", str(tmp_path)])
+  plain = char_gpt.main(short + ["--out-dir", str(tmp_path / "plain")])
+  assert streamed["stream_layers"] and not plain["stream_layers"]
+  for key in ("initial_val_loss", "first_train_loss", "final_train_loss", "final_val_loss"):
+    assert streamed[key] == pytest.approx(plain[key], rel=1e-4), key
+  # The stacked blocks' params (and so their state) live in host memory: the host tier updates them there.
+  assert streamed["memory"]["weights_by_tier"]["host"] > 0
+  assert plain["memory"]["weights_by_tier"]["host"] == 0
+
+
 def test_metrics_csv_has_one_row_per_step(run, char_gpt):
   out_dir, summary = run
   with open(out_dir / "metrics.csv", newline="") as f:

@@ -11,6 +11,7 @@ import pytest
 from flax import nnx
 
 import optax_hybrid
+from optax_hybrid.recipe import _clip_by_global_norm  # noqa: E402 - the stage under test
 from optax_hybrid.recipe import (
     LearningRateState,
     flax_weight_decay_rule,
@@ -469,3 +470,23 @@ def test_accumulation_with_host_moments_stays_in_host_compute_and_matches_multis
   assert placement.host_arithmetic_outside_host_compute(jaxpr) == []
   with pytest.raises(ValueError, match="every_k"):
     accumulate_gradients(optax.sgd(1.0), 0)
+
+
+@pytest.mark.parametrize("scale", [0.01, 100.0], ids=["under-the-norm", "clipped"])
+def test_clipping_equals_optax_for_gradients_in_host_memory(scale):
+  """standard_optimizer clips gradients that live in host memory (scan_layers' layers) as optax does on the device."""
+  host = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="pinned_host")
+  grads = {"dense": jnp.linspace(-1.0, 1.0, 12).reshape(3, 4) * scale,
+           "layers": jnp.arange(10.0).reshape(2, 5) * scale, "bias": jnp.ones(6) * scale}
+  expected, _ = optax.clip_by_global_norm(1.0).update(grads, optax.EmptyState())
+  placed = dict(grads, layers=jax.device_put(grads["layers"], host))
+
+  def clipped(g):  # the recipe's clipping stage (standard_optimizer's first)
+    return _clip_by_global_norm(1.0).update(g, optax.EmptyState())[0]
+
+  got = jax.jit(clipped)(placed)
+  assert got["layers"].sharding.memory_kind == "pinned_host"
+  for key in grads:
+    np.testing.assert_allclose(np.asarray(got[key], np.float32), np.asarray(expected[key], np.float32), rtol=1e-6)
+  jaxpr = jax.make_jaxpr(clipped)(placed)
+  assert optax_hybrid.host_arithmetic_outside_host_compute(jaxpr) == []
