@@ -4,6 +4,7 @@
     JAX_PLATFORMS=cpu PYTHONPATH=. python benchmarks/gpu_memory.py --step-table [--scale 1.0]
     JAX_PLATFORMS=cpu PYTHONPATH=. python benchmarks/gpu_memory.py --staging-table [--target h100]
     JAX_PLATFORMS=cpu PYTHONPATH=. python benchmarks/gpu_memory.py --streaming-table [--stream-layers 16,32,1000]
+    JAX_PLATFORMS=cpu PYTHONPATH=. python benchmarks/gpu_memory.py --capacity-table [--host-memories "256 GB"]
     JAX_PLATFORMS=cpu PYTHONPATH=. python benchmarks/gpu_memory.py --quick
 
 Needs JAX's CUDA plugin (once: ``python -c "from optax_hybrid import gpu_compile;
@@ -33,6 +34,13 @@ moves each layer from ``pinned_host`` in its body, or by
 ``optax_hybrid.scan_layers`` (with and without ``offload_carries``), with
 the ``host`` tier (and ``lax.scan`` with the ``host_state`` tier), at several depths: device and host peak, the
 device's growth per layer, bus bytes per param and step.
+
+``--capacity-table``: the largest Llama-style model per setup (``optax.adamw``
+fp32, bf16 + fp32 ``mu``; bf16 + fp32 moments on the device; the host tier
+with ``scan_layers``, fp32 or 8-bit moments) whose step fits both the device
+and a host memory (128 GiB, 256 GB, 1 TB, 2 TB), each used up to 90%: the
+depth is predicted from two compiles (memory is linear in depth for scanned
+layers) and checked by compiling it and the next depth.
 
 ``--staging-table``: the streamed tiers (``host_state``, ``host``,
 ``offload_fraction=0.5``) x kernel x path on 8 leaves of 2048 x 2048: their
@@ -453,6 +461,102 @@ def streaming_table(args) -> list[dict]:
   return rows
 
 
+# --- the largest model per setup, bounded by device and host memory -----------------------------------
+
+# name -> (param dtype, optimizer factory, layers streamed from pinned_host by scan_layers)
+CAPACITY_SETUPS = {
+    "optax.adamw fp32": (jnp.float32, lambda: optax.adamw(1e-4, weight_decay=0.1), False),
+    "optax.adamw bf16 + fp32 mu": (jnp.bfloat16, lambda: optax.adamw(1e-4, weight_decay=0.1, mu_dtype=jnp.float32),
+                                   False),
+    "bf16 + fp32 mu and nu (device tier)": (jnp.bfloat16, lambda: optax_hybrid.hybrid_adamw(
+        1e-4, weight_decay=0.1, tiers="device", moment_format="float32"), False),
+    "host tier + scan_layers, fp32 master and moments": (jnp.bfloat16, lambda: optax_hybrid.hybrid_adamw(
+        1e-4, weight_decay=0.1, tiers="host", master_dtype=jnp.float32, moment_format="float32"), True),
+    "host tier + scan_layers, fp32 master, 8-bit moments": (jnp.bfloat16, lambda: optax_hybrid.hybrid_adamw(
+        1e-4, weight_decay=0.1, tiers="host", master_dtype=jnp.float32, moment_format="8bit"), True),
+}
+assert not any(";" in name for name in CAPACITY_SETUPS)  # --capacity-setups splits on semicolons
+HOST_MEMORIES = {"128 GiB": 128 * 2**30, "256 GB": 256e9, "1 TB": 1e12, "2 TB": 2e12}
+LIMIT = 0.9  # of each memory: room for the CUDA context, the allocator's fragmentation, the process itself
+
+
+def capacity_figures(setup: str, layers: int, target: str) -> dict:
+  """Device and host peak of the Llama-style decoder's whole train step at ``layers`` (one compile)."""
+  import models
+  dtype, make_tx, streamed = CAPACITY_SETUPS[setup]
+  model = models.llama(dtype, stream=streamed, layers_memory_kind="pinned_host" if streamed else "device",
+                       layers=layers, width=4096, heads=32, ffn=11008, vocab=32000, seq=2048, batch=1)
+  tx = make_tx()
+  state = abstract_state(tx, model.params)
+  hybrid = isinstance(tx, optax_hybrid.HybridAdamW)
+
+  def train_step(p, s, b):
+    loss, grads = jax.value_and_grad(model.loss)(p, b)
+    if hybrid:
+      p, s = tx.step(p, s, grads)
+    else:
+      updates, s = tx.update(grads, s, p)
+      p = optax.apply_updates(p, updates)
+    return p, s, loss
+
+  report = gpu_compile.compile_for_gpu(train_step, model.params, state, model.batch, target=target,
+                                       donate_argnums=(0, 1))
+  n = model.num_params
+  return dict(setup=setup, layers=layers, params=n, device=report.device_peak_bytes, host=report.host_peak_bytes,
+              host_argument=report.host_argument_bytes, host_temp=report.host_temp_bytes,
+              to_device=report.to_device_bytes, to_host=report.to_host_bytes, warnings=len(report.warnings))
+
+
+def largest_within(setup: str, target: str, host_limit: float, probes: dict, first: int, second: int) -> dict:
+  """The deepest model whose step fits both limits: predicted from two depths (memory grows linearly with depth
+  for scanned layers), then checked by compiling it and the next depth."""
+  device_limit = LIMIT * gpu_compile.target_device_memory_bytes(target)
+
+  def probe(layers):
+    if layers not in probes:
+      probes[layers] = in_subprocess(["--one-capacity", setup, "--layers", str(layers), "--target", target])
+    return probes[layers]
+
+  def fits(layers):
+    r = probe(layers)
+    return r["device"] <= device_limit and r["host"] <= host_limit
+
+  a, b = probe(first), probe(second)
+  within = [first + (limit - a[key]) * (second - first) / (b[key] - a[key])
+            for key, limit in (("device", device_limit), ("host", host_limit)) if b[key] > a[key]]
+  depth = max(1, int(min(within)))
+  while not fits(depth) and depth > 1:  # the prediction was high: step down
+    depth -= 1
+  while fits(depth + 1):  # or low: step up
+    depth += 1
+  return dict(probe(depth), host_limit=host_limit, device_limit=device_limit, fits=fits(depth))
+
+
+def capacity_table(args) -> list[dict]:
+  rows, probes = [], {setup: {} for setup in CAPACITY_SETUPS}
+  for setup in args.capacity_setups.split(";"):
+    for memory in args.host_memories.split(","):
+      row = largest_within(setup, args.target, LIMIT * HOST_MEMORIES[memory], probes[setup], 8, 16)
+      rows.append(dict(row, host_memory=memory))
+      print(f"  {json.dumps(rows[-1])}", file=sys.stderr, flush=True)
+  device_gb = gpu_compile.target_device_memory_bytes(args.target) / GB
+  print(f"\nThe largest Llama-style decoder (width 4096, 32 heads, SwiGLU 11008, vocab 32000, batch 1 x 2048; "
+        f"layers scanned) whose whole compiled train step fits one {args.target.upper()} ({device_gb:.1f} GB) and "
+        f"a host memory, both used up to {LIMIT:.0%}; compile-time figures, jax {jax.__version__}:\n")
+  print("| host memory | setup | layers | params | x optax.adamw bf16 + fp32 mu | device GB | host GB | "
+        "host B/weight | bus in / out B/weight |")
+  print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
+  for memory in args.host_memories.split(","):
+    mine = [r for r in rows if r["host_memory"] == memory]
+    base = next((r for r in mine if r["setup"] == "optax.adamw bf16 + fp32 mu"), None)
+    for r in mine:
+      ratio = f"{r['params'] / base['params']:.2f}" if base else "-"
+      print(f"| {memory} | {r['setup']} | {r['layers']} | {r['params'] / 1e9:.2f} B | {ratio} | {r['device'] / GB:.1f} | "
+            f"{r['host'] / GB:.1f} | {r['host'] / r['params']:.2f} | {r['to_device'] / r['params']:.2f} / "
+            f"{r['to_host'] / r['params']:.2f} |")
+  return rows
+
+
 def staging_table(args) -> list[dict]:
   rows = []
   for dtype_name in ("bfloat16", "float32"):
@@ -492,6 +596,13 @@ def main(argv=None):
   parser.add_argument("--stream-setups", default=",".join(STREAM_SETUPS))
   parser.add_argument("--stream-layers", default="16,32", help="--streaming-table: depths (comma-separated)")
   parser.add_argument("--moments", default="float32", help="--streaming-table: moment_format")
+  parser.add_argument("--capacity-table", action="store_true",
+                      help="the largest Llama-style model per setup within device and host memory (limits 0.9)")
+  parser.add_argument("--capacity-setups", default=";".join(CAPACITY_SETUPS),
+                      help="semicolon-separated subset of: " + "; ".join(CAPACITY_SETUPS))
+  parser.add_argument("--host-memories", default=",".join(HOST_MEMORIES),
+                      help="comma-separated subset of: " + ", ".join(HOST_MEMORIES))
+  parser.add_argument("--one-capacity", help=argparse.SUPPRESS)
   parser.add_argument("--quick", action="store_true", help="a small run of both tables (a test)")
   parser.add_argument("--one-streaming", help=argparse.SUPPRESS)
   parser.add_argument("--layers", type=int, default=2, help=argparse.SUPPRESS)
@@ -507,6 +618,11 @@ def main(argv=None):
   if args.one_step:
     print(json.dumps(step_figures(args.one_step, args.scale, args.target, args.inputs)))
     return None
+  if args.one_capacity:
+    print(json.dumps(capacity_figures(args.one_capacity, args.layers, args.target)))
+    return None
+  if args.capacity_table:
+    return dict(capacity=capacity_table(args))
   if args.one_streaming:
     print(json.dumps(streaming_figures(args.one_streaming, args.layers, args.target, args.moments)))
     return None
