@@ -26,20 +26,20 @@ import tempfile
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-REFERENCE = "optax_hybrid/kernels/reference.py"
+REFERENCE = "optax_hybrid/kernels/reference.py"  # the engine around every rule: decay, storage, skip
+ADAM = "optax_hybrid/rules/adamw.py"  # Adam's own update
 RULE_TESTS = ["tests/test_char_gpt.py", "tests/test_properties.py", "tests/test_kernels.py::test_leaf_update_against_float64"]
 TIER_TESTS = ["tests/test_memory_kinds.py", "-k", "xla", "tests/test_tiers.py"]
 
 # name: (description, file, [(old, new), ...], pytest arguments)
 BUGS = {
     "b1_b2_swapped": (
-        "b1 and b2 swapped in the reference rule", REFERENCE,
-        [("m = s.b1 * mu.astype(dtype) + (1.0 - s.b1) * g", "m = s.b2 * mu.astype(dtype) + (1.0 - s.b2) * g"),
-         ("v = s.b2 * nu.astype(g_sq.dtype) + (1.0 - s.b2) * g_sq",
-          "v = s.b1 * nu.astype(g_sq.dtype) + (1.0 - s.b1) * g_sq")],
+        "b1 and b2 swapped in the reference rule", ADAM,
+        [("m = s.b1 * mu + (1.0 - s.b1) * grad", "m = s.b2 * mu + (1.0 - s.b2) * grad"),
+         ("v = s.b2 * nu + (1.0 - s.b2) * g_sq", "v = s.b1 * nu + (1.0 - s.b1) * g_sq")],
         RULE_TESTS),
     "no_v_bias_correction": (
-        "no bias correction of the second moment", REFERENCE,
+        "no bias correction of the second moment", ADAM,
         [("denom = jnp.sqrt(v) / s.bias_correction2_sqrt + s.eps", "denom = jnp.sqrt(v) + s.eps")],
         RULE_TESTS),
     "decay_lr_twice": (

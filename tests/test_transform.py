@@ -205,19 +205,19 @@ def test_bf16_params_with_fp32_moments():
 def test_default_moment_dtype_follows_params_and_updates_promote():
   params = make_params(dtype=jnp.bfloat16)
   grads = {k: jnp.ones(s, jnp.bfloat16) for k, s in SHAPES.items()}
-  tx = optax_hybrid.hybrid_adamw(1e-3)
+  tx = optax_hybrid.hybrid_adamw(1e-3, weight_decay=0.0)
   state = tx.init(params)
   assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(state.mu))
   updates, _ = tx.update(grads, state, params)
   assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(updates))
-  tx32 = optax_hybrid.hybrid_adamw(1e-3, mu_dtype=jnp.float32, nu_dtype=jnp.float32)
+  tx32 = optax_hybrid.hybrid_adamw(1e-3, weight_decay=0.0, mu_dtype=jnp.float32, nu_dtype=jnp.float32)
   updates32, _ = tx32.update(grads, tx32.init(params), params)
   assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(updates32))
 
 
 def test_state_is_a_namedtuple_with_tree_get_and_abstract_init():
   params = make_params()
-  tx = optax_hybrid.hybrid_adamw(1e-3, mu_dtype=jnp.bfloat16)
+  tx = optax_hybrid.hybrid_adamw(1e-3, weight_decay=0.0, mu_dtype=jnp.bfloat16)
   state = tx.init(params)
   assert isinstance(state, optax_hybrid.HybridAdamState)
   assert state.count.dtype == jnp.int32 and state.count.shape == ()
@@ -233,7 +233,7 @@ def test_state_is_a_namedtuple_with_tree_get_and_abstract_init():
 
 def test_update_without_params_when_no_decay():
   params, (g,) = make_params(), make_grads(1)
-  tx = optax_hybrid.hybrid_adamw(1e-2)
+  tx = optax_hybrid.hybrid_adamw(1e-2, weight_decay=0.0)
   with_p, _ = tx.update(g, tx.init(params), params)
   without_p, _ = tx.update(g, tx.init(params))
   chex.assert_trees_all_equal(with_p, without_p)
@@ -331,7 +331,7 @@ def test_nonfinite_steps_are_skipped_in_every_tier(tier):
 
 def test_nonfinite_grads_without_the_option_propagate():
   params, grads = make_params(), _poison(make_grads(1), 0, "b", np.nan)
-  tx = optax_hybrid.hybrid_adamw(1e-2)
+  tx = optax_hybrid.hybrid_adamw(1e-2, weight_decay=0.0)
   updates, state = tx.update(grads[0], tx.init(params), params)
   assert np.isnan(np.asarray(updates["b"])).any() and int(state.count) == 1
 
