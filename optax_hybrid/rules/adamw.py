@@ -176,19 +176,19 @@ def hybrid_adamw(
     b1: float = 0.9,
     b2: float = 0.999,
     eps: float = 1e-8,
-    weight_decay: float = 0.0,
-    *,
     eps_root: float = 0.0,
+    mu_dtype: Any = None,
+    weight_decay: float = 1e-4,
+    mask: MaskOrFn = None,
+    *,
     nesterov: bool = False,
     bias_correction: bool = True,
     adamw_mode: bool = True,
-    mask: MaskOrFn = None,
-    mu_dtype: Any = None,
     nu_dtype: Any = None,
     weight_decay_mask: MaskOrFn = None,
     **options: Any,
 ) -> transform.HybridOptimizer:
-  r"""AdamW with placeable state, as ColossalAI's HybridAdam and ``torch.optim.AdamW`` compute it.
+  r"""AdamW with placeable state: ``optax.adamw``'s arguments in its order, with its defaults.
 
   The update is the module's (:mod:`optax_hybrid.rules.adamw`):
   ``adamw_mode=True`` is ``optax.adamw`` and ``torch.optim.AdamW`` (decay
