@@ -44,6 +44,8 @@ from optax_hybrid.recipe import last_learning_rate, standard_optimizer
 from optax_hybrid.report import MemoryReport, memory_report
 from optax_hybrid.schedules import warmup_cosine_schedule
 from optax_hybrid.rules.adamw import HybridAdamState, hybrid_adamw, scale_by_hybrid_adam
+from optax_hybrid.rules.lion import HybridLionState, hybrid_lion
+from optax_hybrid.rules.sgd import HybridSgdState, hybrid_sgd
 from optax_hybrid.transform import HybridAdamW, HybridOptimizer, moment_values
 
 __version__ = "0.1.0"
@@ -51,7 +53,9 @@ __version__ = "0.1.0"
 __all__ = [
     "HybridAdamState",
     "HybridAdamW",
+    "HybridLionState",
     "HybridOptimizer",
+    "HybridSgdState",
     "MemoryReport",
     "STATE_MEMORY_KINDS",
     "apply_updates",
@@ -70,6 +74,8 @@ __all__ = [
     "available_memory_kinds",
     "host_arithmetic_outside_host_compute",
     "hybrid_adamw",
+    "hybrid_lion",
+    "hybrid_sgd",
     "scale_by_hybrid_adam",
     "warmup_cosine_schedule",
 ]
