@@ -43,6 +43,7 @@ from optax_hybrid.placement import (
 from optax_hybrid.recipe import last_learning_rate, standard_optimizer
 from optax_hybrid.report import MemoryReport, memory_report
 from optax_hybrid.schedules import warmup_cosine_schedule
+from optax_hybrid.rules.adagrad import HybridAdagradState, hybrid_adagrad
 from optax_hybrid.rules.adamw import HybridAdamState, hybrid_adamw, scale_by_hybrid_adam
 from optax_hybrid.rules.lion import HybridLionState, hybrid_lion
 from optax_hybrid.rules.sgd import HybridSgdState, hybrid_sgd
@@ -51,6 +52,7 @@ from optax_hybrid.transform import HybridAdamW, HybridOptimizer, moment_values
 __version__ = "0.1.0"
 
 __all__ = [
+    "HybridAdagradState",
     "HybridAdamState",
     "HybridAdamW",
     "HybridLionState",
@@ -73,6 +75,7 @@ __all__ = [
     "tiers",
     "available_memory_kinds",
     "host_arithmetic_outside_host_compute",
+    "hybrid_adagrad",
     "hybrid_adamw",
     "hybrid_lion",
     "hybrid_sgd",
