@@ -226,6 +226,8 @@ class _Placed:
     return out
 
 
+# 115 code lines with its nested helpers: one pass over the params and every state, whose helpers share
+# six accumulators (attached bytes, by component, per device, tiers...); split, they would travel as arguments.
 def memory_report(params: Any, opt_state: Any) -> MemoryReport:
   """Accounts for the memory of training: params, gradients and optimizer state, device against host.
 
