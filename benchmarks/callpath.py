@@ -12,7 +12,8 @@ second): the counts include what runs once per process.
 
   python benchmarks/callpath.py                       # tx.step, native kernel, one leaf
   python benchmarks/callpath.py --path update --kernel xla --leaves 2 --list
-  python benchmarks/callpath.py --all                 # step and update, xla and native, two leaves
+  python benchmarks/callpath.py --all                 # step and update, xla and native, two leaves;
+                                                      # then optax.adamw's update (optax's own functions)
 """
 import argparse
 import os
@@ -25,15 +26,19 @@ import jax.numpy as jnp
 import optax_hybrid
 
 
-def count(path: str, kernel: str, leaves: int, rule: str = "adamw") -> dict:
+def count(path: str, kernel: str, leaves: int) -> dict:
   tree = {"w": jnp.ones((8, 8)), "b": jnp.zeros((8,))} if leaves == 2 else {"w": jnp.ones((8, 8))}
   params = jax.device_put(tree, jax.devices()[0])
-  make = getattr(optax_hybrid, f"hybrid_{rule}")
-  tx = make(1e-3, weight_decay=0.1, kernel=kernel, state_memory_kind="pinned_host")
+  package = optax_hybrid
+  if kernel == "optax":  # optax.adamw's update, counted in the optax package
+    import optax
+    package, tx = optax, optax.adamw(1e-3, weight_decay=0.1)
+  else:
+    tx = optax_hybrid.hybrid_adamw(1e-3, weight_decay=0.1, kernel=kernel, state_memory_kind="pinned_host")
   state = tx.init(params)
   fn, args = (tx.step, (params, state, params)) if path == "step" else (tx.update, (params, state, params))
   calls = []
-  root = os.path.dirname(optax_hybrid.__file__)
+  root = os.path.dirname(package.__file__)
   depth = [0]
 
   def prof(frame, event, arg):
@@ -59,12 +64,13 @@ def count(path: str, kernel: str, leaves: int, rule: str = "adamw") -> dict:
 def main():
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   ap.add_argument("--path", choices=("step", "update"), default="step")
-  ap.add_argument("--kernel", choices=("xla", "native"), default="native")
+  ap.add_argument("--kernel", choices=("xla", "native", "optax"), default="native",
+                  help="optax: optax.adamw's update instead, counting the optax package's functions")
   ap.add_argument("--leaves", type=int, choices=(1, 2), default=1)
   ap.add_argument("--all", action="store_true", help="step and update, xla and native, 2 leaves: one table")
   ap.add_argument("--list", action="store_true", help="list the functions entered")
   args = ap.parse_args()
-  runs = ([(p, k, 2) for p in ("step", "update") for k in ("xla", "native")] if args.all
+  runs = ([(p, k, 2) for p in ("step", "update") for k in ("xla", "native")] + [("update", "optax", 2)] if args.all
           else [(args.path, args.kernel, args.leaves)])
   print("| path | kernel | leaves | functions | code objects | modules | module switches | calls | deepest frame |")
   print("|---|---|---:|---:|---:|---:|---:|---:|---:|")

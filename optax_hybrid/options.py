@@ -173,7 +173,6 @@ def takes_options(*, without: tuple[str, ...] = ()) -> Callable:
                                annotation=typing.get_type_hints(concern)[f.name])
              for concern in _CONCERNS for f in dataclasses.fields(concern) if f.name not in without]
     fn.__signature__ = signature.replace(parameters=own + extra)
-    fn.option_names = tuple(p.name for p in extra)
     return fn
   return decorate
 
