@@ -282,7 +282,10 @@ def _store(lp: LeafPlan, leaf: LeafIn, result: tuple) -> LeafOut:
     # Computed on the device, so known to be there: copied out. A disk leaf's state goes to its files from here.
     to_host = lambda x: jax.tree.map(lambda a: jax.device_put(a, HOST), x)
     return LeafOut(first, state if lp.on_disk else to_host(state), to_host(master))
-  return LeafOut(_compat.move(first, lp.param_space), state, master)  # host compute leaves results in host memory
+  # Host compute leaves its results in host memory: the update goes to the param's memory, the state to
+  # its own (device memory for a host-resident param whose state_memory_kind is "device").
+  back = lambda x: jax.tree.map(lambda a: _compat.move(a, lp.state_space), x)
+  return LeafOut(_compat.move(first, lp.param_space), back(state), back(master))
 
 
 def _run_group(plans: Sequence[LeafPlan], leaves: Sequence[LeafIn], plan: Plan, rule: Any, s: Any, *,
