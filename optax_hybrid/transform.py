@@ -197,20 +197,21 @@ def _leaf_state(param: Any, lp: LeafPlan, plan: Plan, initial: tuple, with_maste
 def _with_disk_files(plan: Plan, params: list, store: disk.DiskStore, initial: tuple) -> Plan:
   """``plan`` with a new file for each field of each disk-tier leaf, holding the field's initial value."""
   def files(p, leaf):
-    out = []
+    made, shape = [], np.shape(p)
     for field, dtype, value in zip(plan.fields, leaf.dtypes, initial):
-      shape = np.shape(p)
+      zero = not np.any(np.asarray(value))  # new files are zeros: nothing to write
       if leaf.quantized:  # codes and scales, each in its own file
-        q = quantized.quantize(jnp.full(shape, value, jnp.float32), signed=field.signed)
-        out += [(field.name, np.asarray(q.codes)), (field.name + "_scales", np.asarray(q.scales))]
+        specs = [(field.name, shape, quantized.CODE_DTYPE),
+                 (field.name + "_scales", quantized.scales_shape(shape), quantized.SCALE_DTYPE)]
+        q = None if zero else quantized.quantize(jnp.full(shape, value, jnp.float32), signed=field.signed)
+        contents = [None, None] if zero else [np.asarray(q.codes), np.asarray(q.scales)]
       else:
-        out.append((field.name, np.full(shape, value, dtype)))
-    made = []
-    for name, value in out:
-      moment = store.create(value.shape, value.dtype)
-      if np.any(value != 0):  # new files are zeros
-        disk.write(moment, value)
-      made.append((name, moment))
+        specs, contents = [(field.name, shape, dtype)], [None if zero else np.full(shape, value, dtype)]
+      for (name, file_shape, file_dtype), content in zip(specs, contents):
+        moment = store.create(file_shape, file_dtype)
+        if content is not None:
+          disk.write(moment, content)
+        made.append((name, moment))
     return tuple(made)
 
   return dataclasses.replace(plan, leaves=tuple(
