@@ -28,6 +28,7 @@ and its export from :mod:`optax_hybrid`: see ``rules/adagrad.py``.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, ClassVar, NamedTuple
 
 import jax
@@ -172,6 +173,12 @@ def is_static_zero(value: Any) -> bool:
     return False
 
 
+#: A hyperparameter as a float32 array (a traced one stays traced): what a rule's scalars hold. Not
+#: ``jnp.float32(x)``, which gives a NumPy scalar for a Python number, converted again by every
+#: operation that uses it (measured: 30% of tracing time for 148 leaves).
+f32 = functools.partial(jax.numpy.asarray, dtype=jax.numpy.float32)
+
+
 def zeros_like(x: jax.Array) -> jax.Array:
   """Zeros shaped and placed like ``x``, for a rule's update: also inside host compute (the ``host`` tier).
 
@@ -186,4 +193,4 @@ def is_state(x: Any) -> bool:
   return type(x) in STATE_TYPES
 
 
-__all__ = ["DECOUPLED", "L2", "STATE_TYPES", "Field", "UpdateRule", "is_state", "is_static_zero", "zeros_like"]
+__all__ = ["DECOUPLED", "L2", "STATE_TYPES", "Field", "UpdateRule", "f32", "is_state", "is_static_zero", "zeros_like"]

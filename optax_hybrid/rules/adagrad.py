@@ -20,7 +20,7 @@ import optax
 
 from optax_hybrid import _checks, transform
 from optax_hybrid.options import ScalarOrSchedule, takes_options
-from optax_hybrid.rules import Field, UpdateRule, zeros_like
+from optax_hybrid.rules import Field, UpdateRule, f32, zeros_like
 
 
 class HybridAdagradState(NamedTuple):
@@ -66,7 +66,7 @@ class Adagrad(UpdateRule):
       _checks.hyperparameter(self.owner, name, getattr(self, name), low=0.0)
 
   def scalars(self, count: jax.Array, learning_rate: Any, step_ok: jax.Array | None) -> AdagradScalars:
-    return AdagradScalars(jnp.float32(learning_rate), jnp.float32(self.eps), step_ok)
+    return AdagradScalars(f32(learning_rate), f32(self.eps), step_ok)
 
   def update(self, grad: jax.Array, state: tuple, s: AdagradScalars) -> tuple[jax.Array, tuple]:
     (sum_of_squares,) = state

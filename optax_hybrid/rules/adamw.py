@@ -30,7 +30,7 @@ import optax
 
 from optax_hybrid import _checks, transform
 from optax_hybrid.options import MaskOrFn, ScalarOrSchedule, takes_options
-from optax_hybrid.rules import DECOUPLED, L2, Field, UpdateRule, is_static_zero
+from optax_hybrid.rules import DECOUPLED, Field, L2, UpdateRule, f32, is_static_zero
 
 
 class HybridAdamState(NamedTuple):
@@ -136,12 +136,12 @@ class AdamW(UpdateRule):
       _checks.flag(self.owner, name, getattr(self, name))
 
   def scalars(self, count: jax.Array, learning_rate: Any, step_ok: jax.Array | None) -> AdamScalars:
-    b1, b2 = jnp.float32(self.b1), jnp.float32(self.b2)
+    b1, b2 = f32(self.b1), f32(self.b2)
     t = count.astype(jnp.float32) + 1.0
     correct = lambda b, k: 1.0 - b**k if self.bias_correction else jnp.ones([], jnp.float32)
     return AdamScalars(
-        jnp.float32(learning_rate), b1, b2, jnp.float32(self.eps), jnp.float32(self.weight_decay), correct(b1, t),
-        jnp.sqrt(correct(b2, t)), eps_root=jnp.float32(self.eps_root) if self.uses_eps_root else None,
+        f32(learning_rate), b1, b2, f32(self.eps), f32(self.weight_decay), correct(b1, t),
+        jnp.sqrt(correct(b2, t)), eps_root=f32(self.eps_root) if self.uses_eps_root else None,
         bias_correction2=correct(b2, t) if self.uses_eps_root else None,
         bias_correction1_next=correct(b1, t + 1.0) if self.nesterov else None, step_ok=step_ok)
 

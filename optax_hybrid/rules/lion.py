@@ -20,7 +20,7 @@ import optax
 
 from optax_hybrid import _checks, transform
 from optax_hybrid.options import MaskOrFn, ScalarOrSchedule, takes_options
-from optax_hybrid.rules import DECOUPLED, Field, UpdateRule
+from optax_hybrid.rules import DECOUPLED, Field, UpdateRule, f32
 
 
 class HybridLionState(NamedTuple):
@@ -73,8 +73,8 @@ class Lion(UpdateRule):
       _checks.hyperparameter(self.owner, name, getattr(self, name), low=0.0, high=high)
 
   def scalars(self, count: jax.Array, learning_rate: Any, step_ok: jax.Array | None) -> LionScalars:
-    return LionScalars(jnp.float32(learning_rate), jnp.float32(self.b1), jnp.float32(self.b2),
-                       jnp.float32(self.weight_decay), step_ok)
+    return LionScalars(f32(learning_rate), f32(self.b1), f32(self.b2),
+                       f32(self.weight_decay), step_ok)
 
   def update(self, grad: jax.Array, state: tuple, s: LionScalars) -> tuple[jax.Array, tuple]:
     (mu,) = state

@@ -20,7 +20,7 @@ import optax
 
 from optax_hybrid import _checks, transform
 from optax_hybrid.options import ScalarOrSchedule, takes_options
-from optax_hybrid.rules import Field, UpdateRule
+from optax_hybrid.rules import Field, UpdateRule, f32
 
 
 class HybridSgdState(NamedTuple):
@@ -69,8 +69,8 @@ class Sgd(UpdateRule):
     _checks.flag(self.owner, "nesterov", self.nesterov)
 
   def scalars(self, count: jax.Array, learning_rate: Any, step_ok: jax.Array | None) -> SgdScalars:
-    momentum = None if self.momentum is None else jnp.float32(self.momentum)
-    return SgdScalars(jnp.float32(learning_rate), momentum, step_ok)
+    momentum = None if self.momentum is None else f32(self.momentum)
+    return SgdScalars(f32(learning_rate), momentum, step_ok)
 
   def update(self, grad: jax.Array, state: tuple, s: SgdScalars) -> tuple[jax.Array, tuple]:
     if s.momentum is None:
