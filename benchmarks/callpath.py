@@ -1,32 +1,86 @@
-"""Counts the optax_hybrid functions a leaf passes through while tx.step is traced (native kernel, host_state)."""
-import os, sys
+"""Counts the optax_hybrid functions entered while one jitted step is traced.
+
+How: ``sys.setprofile`` over one ``jax.jit(fn).trace(...)`` of a fresh
+optimizer (``weight_decay=0.1``, ``state_memory_kind="pinned_host"``); every
+"call" event whose code lives in the package counts. Printed: distinct
+functions (named code objects: comprehensions and lambdas left out), distinct
+code objects (all of them), the modules they are in, module switches
+(consecutive package calls in different modules, lambdas and comprehensions
+included), all package calls, and the deepest frame. ``--all`` runs the four
+cases in one process in this order (the native library loads during the
+second): the counts include what runs once per process.
+
+  python benchmarks/callpath.py                       # tx.step, native kernel, one leaf
+  python benchmarks/callpath.py --path update --kernel xla --leaves 2 --list
+  python benchmarks/callpath.py --all                 # step and update, xla and native, two leaves;
+                                                      # then optax.adamw's update (optax's own functions)
+"""
+import argparse
+import os
+import sys
+
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-import jax, jax.numpy as jnp
+import jax
+import jax.numpy as jnp
+
 import optax_hybrid
-params = jax.device_put({"w": jnp.ones((8, 8))}, jax.devices()[0])
-tx = optax_hybrid.hybrid_adamw(1e-3, weight_decay=0.1, kernel="native", state_memory_kind="pinned_host")
-state = tx.init(params)
-calls = []
-root = os.path.dirname(optax_hybrid.__file__)
-depth = [0]
-def prof(frame, event, arg):
-  f = frame.f_code.co_filename
-  if not f.startswith(root):
-    return
-  if event == "call":
-    depth[0] += 1
-    calls.append((os.path.relpath(f, root), frame.f_code.co_name, depth[0]))
-  elif event == "return":
-    depth[0] -= 1
-sys.setprofile(prof)
-jax.jit(tx.step).trace(params, state, params)
-sys.setprofile(None)
-seen = []
-for mod, fn, d in calls:
-  if (mod, fn) not in seen and not fn.startswith("<"):
-    seen.append((mod, fn))
-mods = [m for m, _, _ in calls if True]
-switches = sum(1 for a, b in zip(calls, calls[1:]) if a[0] != b[0])
-print(f"functions {len(seen)}, modules {len({m for m, _ in seen})}, module switches {switches}, max depth {max(d for *_, d in calls)}")
-for m, f in seen:
-  print(f"  {m}:{f}")
+
+
+def count(path: str, kernel: str, leaves: int) -> dict:
+  tree = {"w": jnp.ones((8, 8)), "b": jnp.zeros((8,))} if leaves == 2 else {"w": jnp.ones((8, 8))}
+  params = jax.device_put(tree, jax.devices()[0])
+  package = optax_hybrid
+  if kernel == "optax":  # optax.adamw's update, counted in the optax package
+    import optax
+    package, tx = optax, optax.adamw(1e-3, weight_decay=0.1)
+  else:
+    tx = optax_hybrid.hybrid_adamw(1e-3, weight_decay=0.1, kernel=kernel, state_memory_kind="pinned_host")
+  state = tx.init(params)
+  fn, args = (tx.step, (params, state, params)) if path == "step" else (tx.update, (params, state, params))
+  calls = []
+  root = os.path.dirname(package.__file__)
+  depth = [0]
+
+  def prof(frame, event, arg):
+    f = frame.f_code.co_filename
+    if not f.startswith(root):
+      return
+    if event == "call":
+      depth[0] += 1
+      calls.append((os.path.relpath(f, root), frame.f_code.co_name, depth[0], frame.f_code.co_firstlineno))
+    elif event == "return":
+      depth[0] -= 1
+
+  sys.setprofile(prof)
+  jax.jit(fn).trace(*args)
+  sys.setprofile(None)
+  seen = list(dict.fromkeys((m, f) for m, f, *_ in calls if not f.startswith("<")))
+  code_objects = {(m, f, line) for m, f, _, line in calls}
+  switches = sum(1 for a, b in zip(calls, calls[1:]) if a[0] != b[0])
+  return {"functions": len(seen), "modules": len({m for m, _ in seen}), "switches": switches,
+          "calls": len(calls), "depth": max(c[2] for c in calls), "code_objects": len(code_objects), "seen": seen}
+
+
+def main():
+  ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  ap.add_argument("--path", choices=("step", "update"), default="step")
+  ap.add_argument("--kernel", choices=("xla", "native", "optax"), default="native",
+                  help="optax: optax.adamw's update instead, counting the optax package's functions")
+  ap.add_argument("--leaves", type=int, choices=(1, 2), default=1)
+  ap.add_argument("--all", action="store_true", help="step and update, xla and native, 2 leaves: one table")
+  ap.add_argument("--list", action="store_true", help="list the functions entered")
+  args = ap.parse_args()
+  runs = ([(p, k, 2) for p in ("step", "update") for k in ("xla", "native")] + [("update", "optax", 2)] if args.all
+          else [(args.path, args.kernel, args.leaves)])
+  print("| path | kernel | leaves | functions | code objects | modules | module switches | calls | deepest frame |")
+  print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
+  for p, k, n in runs:
+    r = count(p, k, n)
+    print(f"| tx.{p} | {k} | {n} | {r['functions']} | {r['code_objects']} | {r['modules']} | {r['switches']} | {r['calls']} | {r['depth']} |")
+    if args.list:
+      for m, f in r["seen"]:
+        print(f"  {m}:{f}")
+
+
+if __name__ == "__main__":
+  main()

@@ -57,7 +57,9 @@ sys.path.insert(0, os.path.join(HERE, os.pardir))
 sys.path.insert(0, os.path.join(HERE, os.pardir, "tests"))  # the float64 model
 import optax_hybrid  # noqa: E402
 from optax_hybrid import placement  # noqa: E402
-from optax_hybrid.kernels import LeafFacts, LeafOperands, Rule, pallas_gpu, reference  # noqa: E402
+from optax_hybrid.kernels import LeafFacts, LeafOperands, pallas_gpu, reference, step_of  # noqa: E402
+from optax_hybrid.rules.adamw import AdamW  # noqa: E402
+from stepping import adam_scalars  # noqa: E402  (tests/stepping.py)
 from numpy_reference import adamw_step_8bit, adamw_steps, colossal_lr  # noqa: E402
 from step import gpt2_small_shapes  # noqa: E402  (benchmarks/step.py)
 
@@ -247,15 +249,15 @@ def copy_bandwidth(n: int, reps: int) -> float:
 def block_sweep(n: int, reps: int, bandwidth: float, configs) -> None:
   print(f"\n## 3. Pallas block size / warps, one leaf of {n / 2**20:.0f}M fp32 params (tx.step arithmetic)",
         flush=True)
-  s = reference.step_scalars(jnp.int32(3), LR, 0.9, 0.999, 1e-8, WD, True)
+  s = adam_scalars(jnp.int32(3), LR, 0.9, 0.999, 1e-8, WD, True)
   arrays = [jnp.full((n,), 0.5, jnp.float32), jnp.full((n,), 1e-3, jnp.float32), jnp.zeros((n,)), jnp.zeros((n,))]
   print(f"| {'block':>6} | {'warps':>5} | {'ms':>7} | {'GB/s @28B':>9} | {'of copy':>7} |")
   print(f"|{'-' * 8}|{'-' * 7}|{'-' * 9}|{'-' * 11}|{'-' * 9}|")
   for block, warps in configs:
     def one(p, g, m, v, block=block, warps=warps):
-      (out,) = pallas_gpu.update_leaves([LeafOperands(g, m, v, p)], [LeafFacts(True, jnp.float32)], s,
-                                        Rule(adamw_mode=True, write_params=True), block_size=block, num_warps=warps)
-      return out.first, out.mu, out.nu
+      (out,) = pallas_gpu.update_leaves([LeafOperands(g, (m, v), p)], [LeafFacts(True, jnp.float32)], s,
+                                        step_of(AdamW(), write_params=True), block_size=block, num_warps=warps)
+      return (out.first, *out.state)
     fn = jax.jit(one, donate_argnums=(0, 2, 3))
     p, g, m, v = arrays
     p, m, v = fn(p, g, m, v)

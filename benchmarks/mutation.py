@@ -49,6 +49,18 @@ TARGETS = {
         "tests/test_transform.py::test_complex_params_match_optax_adamw",
         "tests/test_kernels.py::test_one_custom_call_for_many_leaves_and_fallback_for_the_rest",
     ]),
+    # Each rule's own arithmetic (the engine around it is "reference").
+    "adamw": ("optax_hybrid/rules/adamw.py", [
+        "tests/test_kernels.py::test_leaf_update_against_float64",
+        "tests/test_transform.py::test_matches_float64_reference",
+        "tests/test_transform.py::test_same_calls_give_the_same_numbers_as_optax_adamw",
+        "tests/test_errors.py",
+    ]),
+    **{rule: (f"optax_hybrid/rules/{module}.py", [
+        f"tests/test_rules.py::test_matches_its_optax_counterpart_over_50_steps_in_every_tier[{rule}-device]",
+        f"tests/test_rules.py::test_8bit_state_follows_the_float64_model[{rule}-device]",
+        "tests/test_rules.py::test_each_signature_is_its_optax_counterparts_then_keyword_only_options",
+    ]) for rule, module in (("lion", "lion"), ("adagrad", "adagrad"), ("sgd_nesterov", "sgd"))},
     "tiers": ("optax_hybrid/tiers.py", [
         "tests/test_memory_kinds.py::*-xla-f32-step]",
         "tests/test_memory_kinds.py::test_params_in_host_memory_are_on_the_host_tier_whatever_the_state_kind[*-xla-*]",

@@ -26,20 +26,21 @@ import tempfile
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-REFERENCE = "optax_hybrid/kernels/reference.py"
+REFERENCE = "optax_hybrid/kernels/reference.py"  # the engine around every rule: decay, storage, skip
+ADAM = "optax_hybrid/rules/adamw.py"  # Adam's own update
 RULE_TESTS = ["tests/test_char_gpt.py", "tests/test_properties.py", "tests/test_kernels.py::test_leaf_update_against_float64"]
 TIER_TESTS = ["tests/test_memory_kinds.py", "-k", "xla", "tests/test_tiers.py"]
+OTHER_RULE_TESTS = ["tests/test_rules.py"]
 
 # name: (description, file, [(old, new), ...], pytest arguments)
 BUGS = {
     "b1_b2_swapped": (
-        "b1 and b2 swapped in the reference rule", REFERENCE,
-        [("m = s.b1 * mu.astype(dtype) + (1.0 - s.b1) * g", "m = s.b2 * mu.astype(dtype) + (1.0 - s.b2) * g"),
-         ("v = s.b2 * nu.astype(g_sq.dtype) + (1.0 - s.b2) * g_sq",
-          "v = s.b1 * nu.astype(g_sq.dtype) + (1.0 - s.b1) * g_sq")],
+        "b1 and b2 swapped in the reference rule", ADAM,
+        [("m = s.b1 * mu + (1.0 - s.b1) * grad", "m = s.b2 * mu + (1.0 - s.b2) * grad"),
+         ("v = s.b2 * nu + (1.0 - s.b2) * g_sq", "v = s.b1 * nu + (1.0 - s.b1) * g_sq")],
         RULE_TESTS),
     "no_v_bias_correction": (
-        "no bias correction of the second moment", REFERENCE,
+        "no bias correction of the second moment", ADAM,
         [("denom = jnp.sqrt(v) / s.bias_correction2_sqrt + s.eps", "denom = jnp.sqrt(v) + s.eps")],
         RULE_TESTS),
     "decay_lr_twice": (
@@ -52,6 +53,18 @@ BUGS = {
         [("update = update - (s.learning_rate * s.weight_decay) * p",
           "update = update - (s.learning_rate * s.weight_decay) * (p + update)")],
         RULE_TESTS),
+    "lion_sign_with_b2": (
+        "Lion's sign taken of the b2 blend (the momentum's update) instead of the b1 one", "optax_hybrid/rules/lion.py",
+        [("direction = jnp.sign((1.0 - s.b1) * grad + s.b1 * mu)", "direction = jnp.sign((1.0 - s.b2) * grad + s.b2 * mu)")],
+        OTHER_RULE_TESTS),
+    "adagrad_sum_of_magnitudes": (
+        "Adagrad summing |g| instead of g^2", "optax_hybrid/rules/adagrad.py",
+        [("else grad * grad) + sum_of_squares", "else jnp.abs(grad)) + sum_of_squares")],
+        OTHER_RULE_TESTS),
+    "sgd_nesterov_ignored": (
+        "SGD's Nesterov look-ahead dropped", "optax_hybrid/rules/sgd.py",
+        [("(grad + s.momentum * trace if self.nesterov else trace)", "trace")],
+        OTHER_RULE_TESTS),
     "warmup_from_k_over_w": (
         "warmup starting at k/W", "optax_hybrid/schedules.py",
         [("value = (k + 1.0) / warmup_steps * peak_value", "value = k / warmup_steps * peak_value"),

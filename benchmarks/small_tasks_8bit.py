@@ -60,7 +60,7 @@ def run_jax(name: str, moment_format: str) -> float:
     x, y = batch
     return jnp.mean((jnp.tanh(x @ p["w1"]) @ p["w2"] - y) ** 2)
 
-  tx = optax_hybrid.hybrid_adamw(optax.cosine_decay_schedule(PEAK_LR, STEPS), moment_format=moment_format)
+  tx = optax_hybrid.hybrid_adamw(optax.cosine_decay_schedule(PEAK_LR, STEPS), weight_decay=0.0, moment_format=moment_format)
   state = tx.init(params)
 
   @jax.jit

@@ -4,7 +4,8 @@
 
 Prints one JSON line per setup (GPT-2-small shapes, bf16 params, fp32 master and
 moments, a donated jitted ``tx.step``): the seconds to trace and lower, to
-compile, and the median step in ms. Run it alternately against two checkouts
+compile, and the median step in ms (``--trace-only N``: the minimum and median
+of N traces alone). Run it alternately against two checkouts
 (``PYTHONPATH=<old>`` / ``PYTHONPATH=<new>``) to get same-run ratios.
 """
 
@@ -36,6 +37,8 @@ def main(argv=None):
   parser.add_argument("--scale", type=float, default=0.25)
   parser.add_argument("--reps", type=int, default=5)
   parser.add_argument("--setups", default=",".join(SETUPS), help="comma-separated subset of: " + ", ".join(SETUPS))
+  parser.add_argument("--trace-only", type=int, default=0, metavar="N",
+                      help="only trace (no lowering, compile or step), N times per setup: min and median seconds")
   args = parser.parse_args(argv)
   shapes = gpt2_small_shapes(args.scale)
   device = jax.devices()[0]
@@ -46,6 +49,16 @@ def main(argv=None):
     tx = optax_hybrid.hybrid_adamw(1e-3, weight_decay=0.1, mu_dtype=jnp.float32, nu_dtype=jnp.float32,
                                    master_dtype=jnp.float32, **kwargs)
     state = tx.init(params)
+    if args.trace_only:
+      traces = []
+      for _ in range(args.trace_only):  # a new jit each time: no trace cache
+        start = time.perf_counter()
+        jax.jit(tx.step, donate_argnums=(0, 1)).trace(params, state, grads)
+        traces.append(time.perf_counter() - start)
+      print(json.dumps({"setup": name, "trace_min_s": round(min(traces), 3),
+                        "trace_median_s": round(statistics.median(traces), 3),
+                        "version": os.path.dirname(os.path.dirname(optax_hybrid.__file__))}), flush=True)
+      continue
     step = jax.jit(tx.step, donate_argnums=(0, 1))
     t0 = time.perf_counter()
     lowered = step.trace(params, state, grads).lower()

@@ -1,16 +1,20 @@
-"""optax_hybrid: AdamW for JAX with optimizer state in host memory, ColossalAI-style.
+"""optax_hybrid: Optax optimizers whose state can live in host memory, on the host CPU or on disk.
 
 Public API:
 
+* :func:`hybrid_adamw` (AdamW, HybridAdam / ``optax.adamw`` / torch
+  semantics) and one ``hybrid_<rule>`` per update rule of
+  :mod:`optax_hybrid.rules` (``hybrid_lion``, ``hybrid_sgd``...): each takes its
+  Optax counterpart's arguments, then the engine's keyword-only placement,
+  storage and kernel options (:mod:`optax_hybrid.options`).
+* :func:`scale_by_hybrid_adam`: Adam's direction without the learning rate.
+* :class:`HybridOptimizer` (alias :class:`HybridAdamW`): what they return;
+  adds the fused ``step(params, state, grads)``.
+* :class:`HybridAdamState` and one state type per rule (``count``, the rule's
+  fields, ``skipped``, ``master``, ``plan``).
+* :func:`moment_values`: the rule's state as float trees shaped like the params
+  (8-bit values dequantized, disk values read).
 * :func:`warmup_cosine_schedule`: linear warmup then a cosine to a floor.
-* :func:`hybrid_adamw`: the AdamW transform (HybridAdam / torch semantics)
-  whose moments can live in ``pinned_host`` memory.
-* :func:`scale_by_hybrid_adam`: the same step without the learning rate.
-* :class:`HybridAdamW`: what ``hybrid_adamw`` returns; adds the fused
-  ``step(params, state, grads)``.
-* :class:`HybridAdamState`: its state (``count``, ``mu``, ``nu``, ``skipped``, ...).
-* :func:`moment_values`: the Adam moments as float trees shaped like the params
-  (8-bit moments dequantized, disk moments read).
 * :func:`apply_updates`: ``optax.apply_updates`` that is correct for params in
   any memory kind.
 * :func:`commit`: commits what a jitted step takes (params, state, a
@@ -35,7 +39,7 @@ Public API:
   JAX's CUDA plugin: ``gpu_compile.install_cuda_plugin()``).
 """
 
-from optax_hybrid import checkpoint, disk, plan, recipe, report, tiers
+from optax_hybrid import checkpoint, disk, options, plan, recipe, report, rules, tiers
 from optax_hybrid.placement import (
     STATE_MEMORY_KINDS,
     apply_updates,
@@ -47,13 +51,21 @@ from optax_hybrid.recipe import last_learning_rate, standard_optimizer
 from optax_hybrid.report import MemoryReport, memory_report
 from optax_hybrid.schedules import warmup_cosine_schedule
 from optax_hybrid.streaming import scan_layers
-from optax_hybrid.transform import HybridAdamState, HybridAdamW, hybrid_adamw, moment_values, scale_by_hybrid_adam
+from optax_hybrid.rules.adagrad import HybridAdagradState, hybrid_adagrad
+from optax_hybrid.rules.adamw import HybridAdamState, hybrid_adamw, scale_by_hybrid_adam
+from optax_hybrid.rules.lion import HybridLionState, hybrid_lion
+from optax_hybrid.rules.sgd import HybridSgdState, hybrid_sgd
+from optax_hybrid.transform import HybridAdamW, HybridOptimizer, moment_values
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "HybridAdagradState",
     "HybridAdamState",
     "HybridAdamW",
+    "HybridLionState",
+    "HybridOptimizer",
+    "HybridSgdState",
     "MemoryReport",
     "STATE_MEMORY_KINDS",
     "apply_updates",
@@ -63,14 +75,19 @@ __all__ = [
     "last_learning_rate",
     "memory_report",
     "moment_values",
+    "options",
     "plan",
     "recipe",
     "report",
+    "rules",
     "standard_optimizer",
     "tiers",
     "available_memory_kinds",
     "host_arithmetic_outside_host_compute",
+    "hybrid_adagrad",
     "hybrid_adamw",
+    "hybrid_lion",
+    "hybrid_sgd",
     "scale_by_hybrid_adam",
     "scan_layers",
     "warmup_cosine_schedule",

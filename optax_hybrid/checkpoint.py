@@ -51,9 +51,11 @@ import numpy as np
 
 from optax_hybrid import _compat, disk, placement
 from optax_hybrid.plan import Plan
-from optax_hybrid.transform import PARAMS_SHAPED_FIELDS, HybridAdamState
+from optax_hybrid.rules import STATE_TYPES, is_state as _is_state
+from optax_hybrid.transform import params_shaped_fields
 
-_is_state = lambda x: isinstance(x, HybridAdamState)
+# A state of any rule: HybridAdamState, HybridLionState, ...
+HybridState = Any
 
 
 def _orbax():
@@ -172,14 +174,17 @@ def _is_empty(x: Any) -> bool:
 
 
 def _planned(state: Any) -> Plan | None:
-  """The plan of a ``HybridAdamState`` whose params-shaped fields fit it, else None."""
+  """The plan of a rule's state whose params-shaped fields fit it, else None."""
   plan = state.plan
-  if not isinstance(plan, Plan) or len(jax.tree.leaves(state.mu)) != len(plan.leaves):
+  if not isinstance(plan, Plan):
+    return None
+  trees = [getattr(state, name) for name in params_shaped_fields(state) if getattr(state, name) is not None]
+  if any(len(jax.tree.leaves(tree)) != len(plan.leaves) for tree in trees):
     return None
   return plan
 
 
-def _replace_entries(state: HybridAdamState, field: str, values: dict) -> HybridAdamState:
+def _replace_entries(state: HybridState, field: str, values: dict) -> HybridState:
   """``state`` with the entries ``{leaf index: value}`` of params-shaped ``field`` replaced."""
   leaves, treedef = jax.tree.flatten(getattr(state, field))
   return state._replace(**{field: treedef.unflatten([values.get(i, x) for i, x in enumerate(leaves)])})
@@ -191,11 +196,11 @@ def _files(plan: Plan, field: str) -> dict:
 
 
 def _with_file_values(state: Any) -> Any:
-  """A ``HybridAdamState`` with its disk-tier moments' values in place of their empty entries."""
+  """A rule's state with its disk-tier values in place of their empty entries."""
   plan = _planned(state) if _is_state(state) else None
   if plan is None:
     return state
-  for field in PARAMS_SHAPED_FIELDS:
+  for field in params_shaped_fields(state):
     files = _files(plan, field)
     if files:
       state = _replace_entries(state, field, {i: disk.read(moment) for i, moment in files.items()})
@@ -211,13 +216,14 @@ _KEEP_THE_PLAN = (
 
 
 def _in_moments(path: Any) -> bool:
-  """Whether a key path runs through a ``mu`` or ``nu`` field (before any ``master``)."""
-  fields = [name for name in _names(path) if name in PARAMS_SHAPED_FIELDS]
-  return bool(fields) and fields[0] in ("mu", "nu")
+  """Whether a key path runs through a field of a rule's state (``mu``, ``nu``..., before any ``master``)."""
+  shaped = {name for names in STATE_TYPES.values() for name in names}  # of every rule defined so far
+  fields = [name for name in _names(path) if name in shaped]
+  return bool(fields) and fields[0] != "master" and not fields[0].endswith("_scales")
 
 
 def _unnamed_disk_moments(tree: Any) -> list[str]:
-  """Empty ``mu``/``nu`` entries outside a ``HybridAdamState`` whose plan names their files."""
+  """Empty field entries (``mu``, ``nu``...) outside a rule's state whose plan names their files."""
   return [jax.tree_util.keystr(path) for path, x in jax.tree_util.tree_leaves_with_path(tree, is_leaf=_is_state)
           if _is_empty(x) and all(d == 0 for d in x.shape) and _in_moments(path)]
 
@@ -335,7 +341,7 @@ def _placed_like(value: Any, like: Any) -> Any:
 
 
 class _StateRestore:
-  """How one ``HybridAdamState`` of ``like`` is restored: what Orbax reads for it, and what is made after.
+  """How one rule's state of ``like`` is restored: what Orbax reads for it, and what is made after.
 
   Empty entries are read as nothing and made again from ``like``; a disk
   leaf's moments are read into host memory and written into ``like``'s files;
@@ -344,10 +350,12 @@ class _StateRestore:
   not read (its target is None).
   """
 
-  def __init__(self, key_path: Any, like: HybridAdamState, plan: Plan, saved: _Saved):
+  def __init__(self, key_path: Any, like: HybridState, plan: Plan, saved: _Saved):
     self.where = f"like{jax.tree_util.keystr(key_path)}"
     self.like, self.plan = like, plan
-    self.paths = [path for path, _ in jax.tree_util.tree_leaves_with_path(like.mu)]
+    # A params-shaped tree of like's (SGD without momentum keeps none but a master).
+    self.params_shaped = getattr(like, plan.field_names[0] if plan.fields else "master")
+    self.paths = [path for path, _ in jax.tree_util.tree_leaves_with_path(self.params_shaped)]
     prefix = _names(key_path)
     kept = set() if like.master is None else set(range(len(plan.leaves))) - set(plan.empty_entries("master"))
     if not saved.known:
@@ -362,25 +370,25 @@ class _StateRestore:
   def missing_masters(self) -> list[str]:
     return [f"{self.where}.master{jax.tree_util.keystr(self.paths[i])}" for i in self.build_master]
 
-  def target(self) -> HybridAdamState:
+  def target(self) -> HybridState:
     """What Orbax restores into for this state."""
     state = self.like
-    for field in PARAMS_SHAPED_FIELDS:
+    for field in params_shaped_fields(state):
       files = _files(self.plan, field)
       if files:  # read into host memory, then written into the files
         state = _replace_entries(state, field, {i: np.zeros(m.shape, np.dtype(m.dtype)) for i, m in files.items()})
     if not self.saved_master_tree:
       state = state._replace(master=None)
     elif state.master is None:  # masters saved, none kept: a tree that reads nothing
-      state = state._replace(master=jax.tree.map(lambda _: None, self.like.mu))
+      state = state._replace(master=jax.tree.map(lambda _: None, self.params_shaped))
     elif self.build_master:  # none saved for these: they read nothing
       state = _replace_entries(state, "master", {i: None for i in self.build_master})
     return jax.tree.map(lambda x: None if _is_empty(x) else x, state)  # empty entries read nothing
 
-  def finish(self, restored: HybridAdamState, masters: dict) -> HybridAdamState:
+  def finish(self, restored: HybridState, masters: dict) -> HybridState:
     """The restored state in ``like``'s structure: files written, empty entries and ``masters`` in place."""
     fields = {}
-    for field in PARAMS_SHAPED_FIELDS:
+    for field in params_shaped_fields(self.like):
       like_tree = getattr(self.like, field)
       if like_tree is None:
         fields[field] = None  # e.g. a master the checkpoint has and like does not keep

@@ -1,29 +1,34 @@
-"""The options of :func:`optax_hybrid.hybrid_adamw`, validated once into one frozen object.
+"""The engine's options, by concern, written once: where state lives, how it is stored, which kernel runs.
 
-Every check that needs no params happens here, when the optimizer is built,
-before any backend starts (so ``jax.distributed.initialize`` may come after);
-the checks that need the params happen in :func:`optax_hybrid.plan.make_plan`,
-at ``init``.
+Every ``hybrid_*`` optimizer takes its Optax counterpart's arguments and then
+these, keyword-only: :class:`Placement`, :class:`Storage` and
+:class:`Execution`. Their fields (names, defaults, meaning) are written here
+and nowhere else; :func:`takes_options` adds them to each optimizer's
+signature, and :func:`make_options` checks them into one frozen
+:class:`Options` when the optimizer is built.
+
+Every check that needs no params happens in :func:`make_options`, before any
+backend starts (so ``jax.distributed.initialize`` may come after); the checks
+that need the params happen in :func:`optax_hybrid.plan.make_plan`, at ``init``.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
-import numbers
+import inspect
+import typing
 from typing import Any, Callable, Optional, Union
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
-from optax_hybrid import _compat, disk, placement, tiers as tiers_lib
+from optax_hybrid import _checks, disk, placement, tiers as tiers_lib
 from optax_hybrid.kernels import check_kernel_name
 
-# moment_format values: a storage dtype for both moments, or 8-bit block-wise
-# codes and scales (optax_hybrid.kernels.quantized).
 QUANTIZED_8BIT = "8bit"
+#: ``moment_format`` values: a storage dtype for every field a rule keeps, or
+#: 8-bit block-wise codes and scales (:mod:`optax_hybrid.kernels.quantized`).
 MOMENT_FORMATS = ("float32", "bfloat16", "float16", QUANTIZED_8BIT)
 
 ScalarOrSchedule = Union[float, jax.Array, optax.Schedule]
@@ -31,107 +36,226 @@ MaskOrFn = Optional[Union[Any, Callable[[optax.Params], Any]]]
 
 
 @dataclasses.dataclass(frozen=True)
-class Options:
-  """What :func:`optax_hybrid.hybrid_adamw` was asked for, checked.
+class Placement:
+  """Where each leaf's state lives and where its update runs (:mod:`optax_hybrid.tiers`).
 
-  Hyperparameters (``learning_rate`` to ``weight_decay``) may be traced
-  values; everything else is static. See ``hybrid_adamw`` for each field and
-  its default (written there once).
+  Attributes:
+    state_memory_kind: where the state lives: ``None`` (beside each param),
+      ``"device"``, ``"pinned_host"``, or a callable ``(path, param) -> kind``
+      choosing per leaf (returning ``None`` for "beside the param").
+    tiers: where each leaf's state lives and where its update runs, instead
+      of ``state_memory_kind``: ``"device"``, ``"host_state"`` (state in
+      ``pinned_host``, updated on the device), ``"host"`` (state and master in
+      ``pinned_host``, updated on the host CPU: the gradient moves to the host,
+      only the new param moves back) or ``"disk"`` (the rule's state in files
+      under ``nvme_offload_dir``, read and written around each step). A tier
+      name, a callable ``(path, param) -> tier or None``, or a tree of tier
+      names shaped like the params (or a prefix of it).
+    offload_fraction: move this fraction of the params, by size, to the
+      ``"host"`` tier, the rest updating on the device at the same time (like
+      Twin-Flow's ratio). Leaves are taken in ``jax.tree.leaves`` order, each
+      one when at least half of it falls within the fraction
+      (:func:`optax_hybrid.tiers.pick_by_fraction`).
+    nvme_offload_fraction: move this fraction of the params, by size, to the
+      ``"disk"`` tier (chosen first, the same way), as HybridAdam's
+      ``nvme_offload_fraction``. Single-device params only.
+    nvme_offload_dir: the directory for the disk tier's file (it must exist
+      and be writable: checked when the optimizer is built); ``None``: the
+      temporary directory. The file is owner-only and has no name:
+      ``tx.close()`` or the end of the process, however it ends, frees it
+      (:mod:`optax_hybrid.disk`).
+    shard_state_over: ZeRO-1: a mesh axis name (e.g. ``"data"``) over which
+      the state (and master) is split even where the params are replicated:
+      each leaf's first dimension that its param leaves unsharded and that the
+      axis divides is split over it (:func:`optax_hybrid.tiers.zero1_sharding`).
+      Each device then updates its shard and the update is gathered back to
+      the param's sharding. Params must be placed with a ``NamedSharding`` on
+      a mesh with that axis.
   """
 
-  learning_rate: Any
-  b1: Any
-  b2: Any
-  eps: Any
-  weight_decay: Any
-  bias_correction: bool
-  adamw_mode: bool
-  mask: MaskOrFn
-  mu_dtype: Any
-  nu_dtype: Any
-  state_memory_kind: placement.MemoryKindSpec
-  kernel: str
-  skip_nonfinite: bool
-  tiers: tiers_lib.TierSpec
-  offload_fraction: float | None
-  nvme_offload_fraction: float | None
-  nvme_offload_dir: Any
-  shard_state_over: str | None
-  moment_format: str | None
-  # Not an argument of scale_by_hybrid_adam: master weights need the learning
-  # rate inside the step.
+  state_memory_kind: placement.MemoryKindSpec = None
+  tiers: tiers_lib.TierSpec = None
+  offload_fraction: Optional[float] = None
+  nvme_offload_fraction: Optional[float] = None
+  nvme_offload_dir: Any = None
+  shard_state_over: Optional[str] = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Storage:
+  """How the rule's state and the master copy are stored.
+
+  Attributes:
+    moment_format: how every field the rule keeps is stored, instead of its
+      own dtype arguments (``mu_dtype``...): ``"float32"``, ``"bfloat16"``,
+      ``"float16"``, or ``"8bit"``: block-wise 8-bit (Dettmers et al. 2021),
+      uint8 codes into a dynamic code map plus one float32 scale per block of
+      256 values along the last axis, 1.02 bytes per weight per field instead
+      of 4 (leaves of fewer than 4096 values, non-float leaves, and leaves
+      whose state shards would split a block keep float32). Every tier and
+      kernel takes it; the update uses the new values before they are
+      quantized (:mod:`optax_hybrid.kernels.quantized`).
+    master_dtype: keep a master copy in this dtype (e.g. ``jnp.float32``) for
+      each lower-precision param (bf16, fp16), placed with its state. The step
+      is computed against the master; the new param is the new master rounded
+      to the param's dtype (``tx.step``), and ``update`` returns, in the
+      master's dtype, the difference that makes ``apply_updates`` land exactly
+      on it. Small steps then accumulate instead of rounding away.
+  """
+
+  moment_format: Optional[str] = None
   master_dtype: Any = None
 
   @property
-  def decay_is_static_zero(self) -> bool:
-    """A concrete zero weight decay: decay is then left out of the step statically."""
-    return not _compat.is_tracer(self.weight_decay) and float(np.asarray(self.weight_decay)) == 0.0
-
-  @property
-  def quantize_moments(self) -> bool:
-    """8-bit block-wise moments (for the leaves that take them: :func:`quantized.quantizable`)."""
+  def quantized(self) -> bool:
+    """8-bit block-wise storage (for the leaves that take it: :func:`quantized.quantizable`)."""
     return self.moment_format == QUANTIZED_8BIT
 
 
-def make_options(**kwargs: Any) -> Options:
-  """Checks :func:`hybrid_adamw`'s arguments and returns them as :class:`Options`.
+@dataclasses.dataclass(frozen=True)
+class Execution:
+  """Which kernel computes the update, and what a step does with non-finite gradients.
+
+  Attributes:
+    kernel: ``"auto"`` (the fastest measured: on a GPU the Pallas kernel; on
+      a CPU the native kernel for ``tx.step`` and XLA for ``update``), ``"xla"``
+      (one fused XLA loop per leaf), ``"native"`` (the compiled CPU kernel: one
+      custom call for all CPU-resident leaves), ``"pallas"`` (the fused Pallas
+      GPU kernel: one launch per 64 device-resident leaves; interpret mode off
+      the GPU, for tests). A kernel runs the rules it implements
+      (:mod:`optax_hybrid.kernels`); other leaves take the rule's reference in
+      the same step.
+    skip_nonfinite: skip a step whose gradients hold a NaN or an infinity:
+      zero updates, state and ``count`` unchanged, ``state.skipped``
+      incremented. Costs one reduction over the gradients, no extra pass over
+      the state (the choice is made inside the fused step).
+  """
+
+  kernel: str = "auto"
+  skip_nonfinite: bool = False
+
+
+_CONCERNS = (Placement, Storage, Execution)
+#: Every option's name -> the concern (dataclass) it belongs to.
+OPTION_NAMES = {f.name: concern for concern in _CONCERNS for f in dataclasses.fields(concern)}
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+  """What an optimizer was asked for besides its rule, checked. Static (no traced values).
+
+  Attributes:
+    owner: the public function, for messages (``"hybrid_adamw"``).
+    placement, storage, execution: the options by concern.
+    mask: which leaves take weight decay: a tree of bools with the structure
+      of the params (or a prefix of it), a callable ``params -> tree``, or
+      None (every leaf); resolved once by the plan.
+  """
+
+  owner: str
+  placement: Placement = Placement()
+  storage: Storage = Storage()
+  execution: Execution = Execution()
+  mask: MaskOrFn = None
+
+
+def takes_options(*, without: tuple[str, ...] = ()) -> Callable:
+  """Decorator: ``fn(..., **options)`` shows every option of :data:`OPTION_NAMES` (less ``without``) as keyword-only.
+
+  The function keeps its ``**options``; its ``__signature__`` (what
+  ``inspect``, ``help`` and the API reference show, and what
+  ``optax.inject_hyperparams`` binds) lists each option with its default.
+  """
+  def decorate(fn):
+    signature = inspect.signature(fn)
+    own = [p for p in signature.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
+    extra = [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default,
+                               annotation=typing.get_type_hints(concern)[f.name])
+             for concern in _CONCERNS for f in dataclasses.fields(concern) if f.name not in without]
+    fn.__signature__ = signature.replace(parameters=own + extra)
+    return fn
+  return decorate
+
+
+def make_options(owner: str, rule: Any, *, mask: MaskOrFn = None, accepted: tuple[str, ...] | None = None,
+                 **options: Any) -> Options:
+  """Checks ``options`` (by name, as :data:`OPTION_NAMES`) for ``rule`` and returns :class:`Options`.
+
+  Args:
+    owner: the public function, for messages.
+    rule: the :class:`optax_hybrid.rules.UpdateRule` the options go with (its
+      fields' dtype arguments may conflict with ``moment_format``).
+    mask: the weight decay mask.
+    accepted: the option names ``owner`` takes (default: all).
+    **options: the options by name.
 
   Raises:
+    TypeError: for an option ``owner`` does not take, or of the wrong type.
     ValueError: for a value out of range or options that contradict each other.
-    TypeError: for arguments of the wrong type.
   """
-  o = Options(**kwargs)
-  _check_range("b1", o.b1, low=0.0, high=1.0, high_open=True)
-  _check_range("b2", o.b2, low=0.0, high=1.0, high_open=True)
-  _check_range("eps", o.eps, low=0.0)
-  _check_range("weight_decay", o.weight_decay, low=0.0)
-  for name in ("bias_correction", "adamw_mode", "skip_nonfinite"):
-    if not isinstance(getattr(o, name), (bool, np.bool_)):
-      raise TypeError(f"hybrid_adamw: `{name}` must be a Python bool, got {getattr(o, name)!r}.")
-  dtypes = {}
-  for name in ("mu_dtype", "nu_dtype"):
-    dtype = None if getattr(o, name) is None else jnp.dtype(getattr(o, name))
-    if dtype is not None and not is_inexact(dtype):
-      raise ValueError(f"hybrid_adamw: `{name}` must be a floating dtype, got {dtype}.")
-    dtypes[name] = dtype
-  if o.moment_format is not None:
-    if o.moment_format not in MOMENT_FORMATS:
-      raise ValueError(f"hybrid_adamw: unknown `moment_format`={o.moment_format!r}; accepted values are "
-                       f"{', '.join(repr(f) for f in MOMENT_FORMATS)} (or None: `mu_dtype` / `nu_dtype`).")
-    if o.mu_dtype is not None or o.nu_dtype is not None:
-      raise ValueError("hybrid_adamw: pass either `moment_format` or `mu_dtype` / `nu_dtype`, not both: "
-                       f"moment_format={o.moment_format!r} sets the storage of both moments.")
-  placement.check_memory_kind_spec(o.state_memory_kind)
-  tiers_lib.check_tier_spec(o.tiers)
-  if o.tiers is not None and o.state_memory_kind is not None:
+  accepted = tuple(OPTION_NAMES) if accepted is None else accepted
+  unknown = [name for name in options if name not in accepted]
+  if unknown:
+    raise TypeError(f"{owner}() got an unexpected keyword argument {unknown[0]!r}; its options are "
+                    f"{', '.join(accepted)}.")
+  by_concern = {concern: {k: v for k, v in options.items() if OPTION_NAMES[k] is concern} for concern in _CONCERNS}
+  o = Options(owner, *(concern(**by_concern[concern]) for concern in _CONCERNS), mask=mask)
+  return dataclasses.replace(o, placement=_checked_placement(owner, o.placement),
+                             storage=_checked_storage(owner, o.storage, rule),
+                             execution=_checked_execution(owner, o.execution))
+
+
+def _checked_placement(owner: str, p: Placement) -> Placement:
+  placement.check_memory_kind_spec(p.state_memory_kind)
+  tiers_lib.check_tier_spec(p.tiers, owner)
+  if p.tiers is not None and p.state_memory_kind is not None:
     raise ValueError(
-        "hybrid_adamw: pass either `tiers` or `state_memory_kind`, not both: a tier sets where the "
+        f"{owner}: pass either `tiers` or `state_memory_kind`, not both: a tier sets where the "
         "state lives ('device': device memory; 'host_state' and 'host': pinned_host).")
-  fractions = {name: tiers_lib.check_fraction(name, getattr(o, name))
+  fractions = {name: tiers_lib.check_fraction(name, getattr(p, name), owner)
                for name in ("offload_fraction", "nvme_offload_fraction")}
   if sum(f or 0.0 for f in fractions.values()) > 1.0 + 1e-12:
     raise ValueError(
-        f"hybrid_adamw: `offload_fraction` + `nvme_offload_fraction` is {sum(fractions.values())}"
+        f"{owner}: `offload_fraction` + `nvme_offload_fraction` is {sum(fractions.values())}"
         "; together they can place at most all of the params (sum <= 1).")
-  if o.shard_state_over is not None and not isinstance(o.shard_state_over, str):
-    raise TypeError(f"hybrid_adamw: `shard_state_over` must be a mesh axis name (a str), got "
-                    f"{o.shard_state_over!r}.")
-  if o.nvme_offload_dir is not None:
-    disk.check_directory(o.nvme_offload_dir)  # before any step, and before init writes anything
+  if p.shard_state_over is not None and not isinstance(p.shard_state_over, str):
+    raise TypeError(f"{owner}: `shard_state_over` must be a mesh axis name (a str), got {p.shard_state_over!r}.")
+  if p.nvme_offload_dir is not None:
+    disk.check_directory(p.nvme_offload_dir)  # before any step, and before init writes anything
+  return dataclasses.replace(p, **fractions)
+
+
+def _checked_storage(owner: str, s: Storage, rule: Any) -> Storage:
+  asked = [f.dtype_argument for f, d in zip(rule.fields, rule.field_dtypes) if d is not None]
+  for field, dtype in zip(rule.fields, rule.field_dtypes):
+    if dtype is not None and not is_inexact(jnp.dtype(dtype)):
+      raise ValueError(f"{owner}: `{field.dtype_argument}` must be a floating dtype, got {jnp.dtype(dtype)}.")
+  if s.moment_format is not None:
+    if s.moment_format not in MOMENT_FORMATS:
+      raise ValueError(f"{owner}: unknown `moment_format`={s.moment_format!r}; accepted values are "
+                       f"{', '.join(repr(f) for f in MOMENT_FORMATS)} (or None: each field's own dtype).")
+    if asked:
+      names = " / ".join(f"`{f.dtype_argument}`" for f in rule.fields if f.dtype_argument)
+      raise ValueError(f"{owner}: pass either `moment_format` or {names}, not both: "
+                       f"moment_format={s.moment_format!r} sets the storage of every field the rule keeps.")
   master_dtype = None
-  if o.master_dtype is not None:
-    master_dtype = jnp.dtype(o.master_dtype)
+  if s.master_dtype is not None:
+    master_dtype = jnp.dtype(s.master_dtype)
     if not jnp.issubdtype(master_dtype, jnp.floating):
-      raise ValueError(f"hybrid_adamw: `master_dtype` must be a real floating dtype such as jnp.float32, "
+      raise ValueError(f"{owner}: `master_dtype` must be a real floating dtype such as jnp.float32, "
                        f"got {master_dtype}.")
-  check_kernel_name(o.kernel)
-  return dataclasses.replace(o, master_dtype=master_dtype, **dtypes, **fractions)
+  return dataclasses.replace(s, master_dtype=master_dtype)
 
 
-def check_learning_rate(learning_rate: Any) -> None:
-  """A schedule, or a number ``>= 0`` (``scale_by_hybrid_adam`` runs the step at -1, unchecked)."""
+def _checked_execution(owner: str, e: Execution) -> Execution:
+  check_kernel_name(e.kernel, owner)
+  return dataclasses.replace(e, skip_nonfinite=_checks.flag(owner, "skip_nonfinite", e.skip_nonfinite))
+
+
+def check_learning_rate(owner: str, learning_rate: Any) -> None:
+  """A schedule, or a number ``>= 0`` (a building block without its rate runs the step at -1, unchecked)."""
   if not callable(learning_rate):
-    _check_range("learning_rate", learning_rate, low=0.0)
+    _checks.hyperparameter(owner, "learning_rate", learning_rate, low=0.0)
 
 
 def is_inexact(dtype) -> bool:
@@ -139,41 +263,5 @@ def is_inexact(dtype) -> bool:
   return jnp.issubdtype(dtype, jnp.floating) or jnp.issubdtype(dtype, jnp.complexfloating)
 
 
-def _concrete_float(name: str, value: Any) -> float | None:
-  """``value`` as a Python float, or None when it is traced (then it cannot be checked here)."""
-  if _compat.is_tracer(value):
-    return None
-  if isinstance(value, bool):
-    raise TypeError(f"hybrid_adamw: `{name}` must be a number, got the bool {value!r}.")
-  if isinstance(value, numbers.Real):
-    return float(value)
-  if isinstance(value, (np.ndarray, np.generic, jax.Array)):
-    if np.ndim(value) != 0 or not jnp.issubdtype(np.asarray(value).dtype, jnp.number):
-      raise TypeError(
-          f"hybrid_adamw: `{name}` must be a scalar number, got an array of "
-          f"shape {np.shape(value)} and dtype {np.asarray(value).dtype}."
-      )
-    return float(np.asarray(value))
-  raise TypeError(
-      f"hybrid_adamw: `{name}` must be a number, got {value!r} of type {type(value).__name__}."
-  )
-
-
-def _check_range(name: str, value: Any, *, low: float, high: float | None = None, high_open: bool = False) -> None:
-  x = _concrete_float(name, value)
-  if x is None:
-    return
-  if not math.isfinite(x):
-    raise ValueError(f"hybrid_adamw: `{name}` must be finite, got {x!r}.")
-  if x < low or (high is not None and (x >= high if high_open else x > high)):
-    if high is None:
-      accepted = f">= {low}"
-    else:
-      accepted = f"in [{low}, {high}{')' if high_open else ']'}"
-    hint = ""
-    if high_open and x == high and not isinstance(value, numbers.Real):
-      # A beta that rounded up to 1: typically optax.inject_hyperparams casting
-      # hyperparameters to the dtype of bf16/fp16 params.
-      hint = (" It is a low-precision array: with optax.inject_hyperparams and "
-              "bf16/fp16 params pass hyperparam_dtype=jnp.float32.")
-    raise ValueError(f"hybrid_adamw: `{name}` must be {accepted}, got {x!r}.{hint}")
+__all__ = ["Execution", "MOMENT_FORMATS", "OPTION_NAMES", "Options", "Placement", "Storage", "make_options",
+           "takes_options"]

@@ -1,11 +1,13 @@
 """The stages of one optimizer step, in the order :func:`optax_hybrid.transform` runs them.
 
-check and gather the leaves by plan -> load disk moments -> run each group of
-leaves where the plan says -> gather ZeRO-1 updates -> store disk moments.
+check and gather the leaves by plan -> load disk state -> run each group of
+leaves where the plan says -> gather ZeRO-1 updates -> store disk state.
 
 Every stage reads the static :class:`optax_hybrid.plan.Plan`; none of them
-looks at the params' placement or re-resolves an option. Per-leaf data
-travels as one :class:`LeafIn` / :class:`LeafOut` record per leaf.
+looks at the params' placement, re-resolves an option, or knows which rule
+runs: the rule's state is a tuple of values, one per field of the plan
+(:attr:`Plan.fields`). Per-leaf data travels as one :class:`LeafIn` /
+:class:`LeafOut` record per leaf.
 """
 
 from __future__ import annotations
@@ -20,27 +22,31 @@ from jax import lax
 
 from optax_hybrid import _compat, disk, placement
 from optax_hybrid._compat import DEVICE, HOST
-from optax_hybrid.kernels import AdamScalars, LeafFacts, LeafOperands, Rule, kernels_for, quantized, reference
+from optax_hybrid.kernels import LeafFacts, LeafOperands, kernels_for, quantized, reference, step_of
 from optax_hybrid.kernels.contract import per_platform
 from optax_hybrid.plan import STREAM_WAITS, LeafPlan, Plan, check_inexact_leaves
 
 
 class LeafIn(NamedTuple):
-  """One leaf's inputs to the step, each in the memory space the plan gives it."""
+  """One leaf's inputs to the step, each in the memory space the plan gives it.
+
+  ``state`` holds one value per field of the rule: an array, an 8-bit
+  :class:`~optax_hybrid.kernels.quantized.QuantizedMoment`, or for the disk
+  tier its :class:`disk.DiskMoment` (codes and scales: two) until
+  :func:`load_disk_state`. ``master`` is None where the leaf keeps none.
+  """
 
   grad: Any
-  mu: Any  # an array, or a disk.DiskMoment until load_disk_moments
-  nu: Any
+  state: tuple
   param: Any = None
   master: Any = None
 
 
 class LeafOut(NamedTuple):
-  """One leaf's results: the update (or new param) in the param's space, new state in the state's."""
+  """One leaf's results: the update (or new param) in the param's space, the new state and master in theirs."""
 
   first: Any
-  mu: Any
-  nu: Any
+  state: tuple
   master: Any = None
 
 
@@ -51,140 +57,156 @@ def gather(grads: Any, state: Any, params: Any, plan: Plan, *, write_params: boo
   Each state leaf (and a host-resident param) is typed with the memory space
   its plan gives it: a ``jax.ShapeDtypeStruct`` placed in ``pinned_host`` is
   traced as a device value by JAX, and trusting that type would compile a
-  different program for abstract inputs than for real arrays.
+  different program for abstract inputs than for real arrays. Where a leaf
+  keeps nothing in a field (disk-tier state, which are files; no master) the
+  state's empty entry is replaced by what the step reads instead: the
+  plan's files, or None.
 
   Raises:
     ValueError, TypeError: for gradients, params or a state that do not fit
       each other, with the leaf named.
   """
+  owner = plan.owner
   grad_leaves, treedef = jax.tree.flatten(grads)
+  entries = []  # per field: its entries and its scales' (None without 8-bit storage), one per leaf
   try:
-    mu_leaves = treedef.flatten_up_to(state.mu)
-    nu_leaves = treedef.flatten_up_to(state.nu)
-    mu_scales, nu_scales = ([None] * len(grad_leaves) if scales is None else treedef.flatten_up_to(scales)
-                            for scales in (state.mu_scales, state.nu_scales))
+    for name in plan.field_names:
+      scales = getattr(state, name + "_scales")
+      entries.append((treedef.flatten_up_to(getattr(state, name)),
+                      None if scales is None else treedef.flatten_up_to(scales)))
   except (ValueError, TypeError) as e:
+    name = plan.field_names[0]
     raise ValueError(
-        "hybrid_adamw: the gradients' tree structure does not match the "
-        f"optimizer state's; gradients: {treedef}, state.mu: "
-        f"{jax.tree.structure(state.mu)}. Pass gradients for the same params "
-        "tree the state was initialized with."
-    ) from e
-  check_inexact_leaves(grads, "gradient")
+        f"{owner}: the gradients' tree structure does not match the optimizer state's; gradients: {treedef}, "
+        f"state.{name}: {jax.tree.structure(getattr(state, name))}. Pass gradients for the same params "
+        "tree the state was initialized with.") from e
+  check_inexact_leaves(grads, "gradient", owner)
   if len(plan.leaves) != len(grad_leaves):
     raise ValueError(
-        f"hybrid_adamw: the state's placement plan has {len(plan.leaves)} leaves but the gradients "
+        f"{owner}: the state's placement plan has {len(plan.leaves)} leaves but the gradients "
         f"have {len(grad_leaves)}; pass gradients for the params the state was initialized with.")
-  for leaf, g, m in zip(plan.leaves, grad_leaves, mu_leaves):
-    if isinstance(m, disk.DiskMoment):
-      if disk_closed:
-        raise ValueError(f"hybrid_adamw: the disk-tier files of {leaf.path} were removed by tx.close(); "
-                         "initialize a new state.")
-      m = jax.ShapeDtypeStruct(m.shape, np.dtype(m.dtype))
-    if np.shape(g) != np.shape(m):
-      raise ValueError(
-          f"hybrid_adamw: the gradient at {leaf.path} has shape {np.shape(g)} but its "
-          f"optimizer state has shape {np.shape(m)}."
-      )
-    if jnp.issubdtype(g.dtype, jnp.complexfloating) != jnp.issubdtype(m.dtype, jnp.complexfloating):
-      raise TypeError(
-          f"hybrid_adamw: the gradient at {leaf.path} has dtype {g.dtype} but its "
-          f"first moment has dtype {m.dtype}: complex params need complex "
-          "gradients and real params real ones."
-      )
+  param_leaves = _param_leaves(params, treedef, plan, write_params)
+  master_leaves = _master_leaves(state.master, params, treedef, plan)
+  out = []
+  for i, (lp, g, p, w) in enumerate(zip(plan.leaves, grad_leaves, param_leaves, master_leaves)):
+    if lp.on_disk and disk_closed:
+      raise ValueError(f"{owner}: the disk-tier files of {lp.path} were removed by tx.close(); "
+                       "initialize a new state.")
+    values = []
+    for name, (field, scales) in zip(plan.field_names, entries):
+      if lp.on_disk or lp.quantized:
+        values.append(_field_value(lp, name, field[i], None if scales is None else scales[i], owner))
+      else:
+        values.append(_compat.move(field[i], lp.state_space))
+    values = tuple(values)
+    _check_gradient(lp, plan, g, values, p, owner)
+    out.append(LeafIn(g, values, None if p is None else _compat.move(p, lp.param_space),
+                      _compat.move(w, lp.state_space) if lp.master_dtype is not None else None))
+  return treedef, out
 
-  param_leaves: list = [None] * len(grad_leaves)
+
+def _param_leaves(params: Any, treedef: Any, plan: Plan, write_params: bool) -> list:
+  """The params' leaves (Nones without params), or a ValueError when they do not fit or are needed."""
+  owner = plan.owner
   if params is not None:
     try:
-      param_leaves = treedef.flatten_up_to(params)
+      return treedef.flatten_up_to(params)
     except (ValueError, TypeError) as e:
-      raise ValueError(
-          "hybrid_adamw: `params` must have the tree structure of the "
-          f"gradients; gradients: {treedef}, params: {jax.tree.structure(params)}."
-      ) from e
-  elif write_params:
-    raise ValueError("hybrid_adamw: tx.step(params, state, grads) needs `params`.")
-  elif any(leaf.decay for leaf in plan.leaves):
-    raise ValueError("hybrid_adamw: weight_decay is non-zero, so `params` is required: call "
+      raise ValueError(f"{owner}: `params` must have the tree structure of the gradients; gradients: "
+                       f"{treedef}, params: {jax.tree.structure(params)}.") from e
+  if write_params:
+    raise ValueError(f"{owner}: tx.step(params, state, grads) needs `params`.")
+  if any(leaf.decay for leaf in plan.leaves):
+    raise ValueError(f"{owner}: weight_decay is non-zero, so `params` is required: call "
                      "tx.update(grads, state, params).")
-
-  master_leaves = [None] * len(grad_leaves)
-  if state.master is not None:
-    try:
-      master_leaves = treedef.flatten_up_to(state.master)
-    except (ValueError, TypeError) as e:
-      raise ValueError(
-          "hybrid_adamw: the state's master weights do not match the gradients' tree structure; "
-          "pass gradients for the params the state was initialized with.") from e
-    if params is None and any(w is not None for w in master_leaves):
-      raise ValueError(
-          "hybrid_adamw: with master weights, `params` is required: call tx.update(grads, state, "
-          "params) (the update is new_param - param).")
-
-  def typed(x, kind):
-    if x is None or isinstance(x, disk.DiskMoment):
-      return x
-    return _compat.move(x, placement.space_of_kind(kind))
-
-  def moment(leaf, codes, scales):
-    if not leaf.quantized:
-      return typed(codes, leaf.state_kind)
-    if scales is None:
-      raise ValueError(f"hybrid_adamw: the state keeps 8-bit moments for {leaf.path} but has no scales for "
-                       "them (state.mu_scales / nu_scales); make the state with this optimizer's init.")
-    return quantized.QuantizedMoment(typed(codes, leaf.state_kind), typed(scales, leaf.state_kind))
-
-  return treedef, [
-      LeafIn(grad=g, mu=moment(leaf, m, ms), nu=moment(leaf, v, vs),
-             param=typed(p, leaf.param_kind), master=typed(w, leaf.state_kind))
-      for leaf, g, m, v, p, w, ms, vs in zip(plan.leaves, grad_leaves, mu_leaves, nu_leaves, param_leaves,
-                                             master_leaves, mu_scales, nu_scales)
-  ]
+  return [None] * treedef.num_leaves
 
 
-def _files(moment: Any) -> list:
-  """The :class:`disk.DiskMoment` s of one disk moment: one file, or codes and scales for 8-bit moments."""
-  return list(moment) if isinstance(moment, quantized.QuantizedMoment) else [moment]
+def _master_leaves(master: Any, params: Any, treedef: Any, plan: Plan) -> list:
+  """The state's master entries (Nones without masters), or a ValueError when they do not fit."""
+  owner = plan.owner
+  if master is None:
+    return [None] * treedef.num_leaves
+  try:
+    leaves = treedef.flatten_up_to(master)
+  except (ValueError, TypeError) as e:
+    raise ValueError(f"{owner}: the state's master weights do not match the gradients' tree structure; "
+                     "pass gradients for the params the state was initialized with.") from e
+  if params is None and any(lp.master_dtype is not None for lp in plan.leaves):
+    raise ValueError(f"{owner}: with master weights, `params` is required: call tx.update(grads, state, "
+                     "params) (the update is new_param - param).")
+  return leaves
 
 
-def _like(moment: Any, arrays: list) -> Any:
-  """Arrays read for ``moment``'s files, in its format (the inverse of :func:`_files`)."""
-  return quantized.QuantizedMoment(*arrays) if isinstance(moment, quantized.QuantizedMoment) else arrays[0]
+def _field_value(lp: LeafPlan, name: str, entry: Any, scales: Any, owner: str) -> Any:
+  """One field of a leaf as the step reads it: typed with its memory space, its files, or 8-bit codes and scales."""
+  if lp.on_disk:
+    files = dict(lp.files)
+    return quantized.QuantizedMoment(files[name], files[name + "_scales"]) if lp.quantized else files[name]
+  if not lp.quantized:
+    return _compat.move(entry, lp.state_space)
+  if scales is None:
+    raise ValueError(f"{owner}: the state keeps 8-bit values for {lp.path} but has no scales for them "
+                     f"(state.{name}_scales); make the state with this optimizer's init.")
+  return quantized.QuantizedMoment(_compat.move(entry, lp.state_space), _compat.move(scales, lp.state_space))
 
 
-def load_disk_moments(leaves: list[LeafIn], plan: Plan, after: jax.Array) -> tuple[list[LeafIn], list]:
-  """Reads the disk tier's moments (one callback, ordered after ``after``). Returns the leaves and what was read."""
-  stored = [(i, leaf.mu, leaf.nu) for i, leaf in enumerate(leaves) if plan.leaves[i].on_disk]
+def _check_gradient(lp: LeafPlan, plan: Plan, g: Any, values: tuple, param: Any, owner: str) -> None:
+  """The gradient has its state's shape and, like the param, is complex or real."""
+  like = values[0] if values else param
+  if isinstance(like, quantized.QuantizedMoment):
+    like = like.codes
+  if like is not None and np.shape(g) != tuple(like.shape):
+    raise ValueError(f"{owner}: the gradient at {lp.path} has shape {np.shape(g)} but its optimizer state has "
+                     f"shape {tuple(like.shape)}.")
+  signed = [(f.name, d) for f, d in zip(plan.fields, lp.dtypes) if not f.real]  # complex for a complex param
+  if signed:
+    wanted, what = np.dtype(signed[0][1]), f"state `{signed[0][0]}`"
+  elif param is not None:
+    wanted, what = np.dtype(param.dtype), "param"
+  else:
+    return
+  if jnp.issubdtype(g.dtype, jnp.complexfloating) != jnp.issubdtype(wanted, jnp.complexfloating):
+    raise TypeError(f"{owner}: the gradient at {lp.path} has dtype {g.dtype} but its {what} has dtype {wanted}: "
+                    "complex params need complex gradients and real params real ones.")
+
+
+def _files(value: Any) -> list:
+  """The :class:`disk.DiskMoment` s of one disk field: one file, or codes and scales for 8-bit storage."""
+  return list(value) if isinstance(value, quantized.QuantizedMoment) else [value]
+
+
+def _like(value: Any, arrays: list) -> Any:
+  """Arrays read for ``value``'s files, in its format (the inverse of :func:`_files`)."""
+  return quantized.QuantizedMoment(*arrays) if isinstance(value, quantized.QuantizedMoment) else arrays[0]
+
+
+def load_disk_state(leaves: list[LeafIn], plan: Plan, after: jax.Array) -> tuple[list[LeafIn], list]:
+  """Reads the disk tier's state (one callback, ordered after ``after``). Returns the leaves and what was read."""
+  stored = [(i, leaves[i].state) for i, lp in enumerate(plan.leaves) if lp.on_disk and leaves[i].state]
   if not stored:
     return leaves, []
-  files = [_files(m) for _, m, v in stored for m in (m, v)]
-  values = iter(disk.load_in_step([f for fs in files for f in fs], after=after))
+  values = iter(disk.load_in_step([f for _, state in stored for x in state for f in _files(x)], after=after))
   leaves = list(leaves)
-  for i, m, v in stored:
-    leaves[i] = leaves[i]._replace(mu=_like(m, [next(values) for _ in _files(m)]),
-                                   nu=_like(v, [next(values) for _ in _files(v)]))
+  for i, state in stored:
+    leaves[i] = leaves[i]._replace(state=tuple(_like(x, [next(values) for _ in _files(x)]) for x in state))
   return leaves, stored
 
 
-def store_disk_moments(outs: list[LeafOut], stored: list) -> tuple[list[LeafOut], jax.Array | None]:
-  """Writes the disk tier's new moments back (one callback); the state keeps the file handles.
+def store_disk_state(outs: list[LeafOut], stored: list) -> jax.Array | None:
+  """Writes the disk tier's new state back (one callback).
 
-  Returns the results with the disk leaves' moments replaced by their
-  :class:`disk.DiskMoment` s, and the write's int32 zero (None without disk
-  leaves), which the caller adds to the count so the next read waits for it.
+  Returns the write's int32 zero (None without disk leaves), which the
+  caller adds to the count so the next read waits for it.
   """
   if not stored:
-    return outs, None
-  files = [f for _, m, v in stored for f in _files(m) + _files(v)]
-  values = [x for i, _, _ in stored for x in _files(outs[i].mu) + _files(outs[i].nu)]
-  written = disk.store_in_step(files, values)
-  outs = list(outs)
-  for i, m, v in stored:
-    outs[i] = outs[i]._replace(mu=m, nu=v)
-  return outs, written
+    return None
+  files = [f for _, state in stored for x in state for f in _files(x)]
+  values = [a for i, _ in stored for x in outs[i].state for a in _files(x)]
+  return disk.store_in_step(files, values)
 
 
-def run_groups(leaves: list[LeafIn], plan: Plan, s: AdamScalars, *, adamw_mode: bool, write_params: bool,
+def run_groups(leaves: list[LeafIn], plan: Plan, rule: Any, s: Any, *, write_params: bool,
                fused: bool) -> list[LeafOut]:
   """Runs every group of leaves (:attr:`LeafPlan.group`) where its plan says; results in leaf order.
 
@@ -218,7 +240,7 @@ def run_groups(leaves: list[LeafIn], plan: Plan, s: AdamScalars, *, adamw_mode: 
       for i in older:
         stored(i)
       group_in = _after(group_in, previous, older, computed, outs)
-    for i, result in zip(idx, _run_group([plan.leaves[i] for i in idx], group_in, plan, s, adamw_mode=adamw_mode,
+    for i, result in zip(idx, _run_group([plan.leaves[i] for i in idx], group_in, plan, rule, s,
                                           write_params=write_params, fused=fused)):
       computed[i] = result
   for i in list(computed):
@@ -249,48 +271,58 @@ def _after(group_in: list, previous: list[int], older: list[int], computed: dict
 
 
 def _store(lp: LeafPlan, leaf: LeafIn, result: tuple) -> LeafOut:
-  """One leaf's results moved from where they were computed to where they live."""
-  first, mu, nu, master = result
+  """One leaf's results moved from where they were computed to where they live (as typed by :func:`gather`).
 
-  def back(x, like):
-    return jax.tree.map(lambda a, b: _compat.move(a, _compat.memory_space_of(b)), x, like)
+  A disk leaf's state goes back to its files from where it was computed.
+  """
+  first, state, master = result
+  if lp.runs_on == "device":
+    if lp.state_space == DEVICE:
+      return LeafOut(first, state, master)  # computed where it lives (a device run's param is on the device)
+    # Computed on the device, so known to be there: copied out. A disk leaf's state goes to its files from here.
+    to_host = lambda x: jax.tree.map(lambda a: jax.device_put(a, HOST), x)
+    return LeafOut(first, state if lp.on_disk else to_host(state), to_host(master))
+  # Host compute leaves its results in host memory: the update goes to the param's memory, the state to
+  # its own (device memory for a host-resident param whose state_memory_kind is "device").
+  back = lambda x: jax.tree.map(lambda a: _compat.move(a, lp.state_space), x)
+  return LeafOut(_compat.move(first, lp.param_space), back(state), back(master))
 
-  return LeafOut(_compat.move(first, placement.space_of_kind(lp.param_kind)), back(mu, leaf.mu),
-                 back(nu, leaf.nu), back(master, leaf.master))
 
-
-def _run_group(plans: Sequence[LeafPlan], leaves: Sequence[LeafIn], plan: Plan, s: AdamScalars, *,
-               adamw_mode: bool, write_params: bool, fused: bool) -> list[tuple]:
-  """One group: operands moved to where it runs, the kernel; ``(first, mu, nu, master)`` per leaf, where it ran."""
+def _run_group(plans: Sequence[LeafPlan], leaves: Sequence[LeafIn], plan: Plan, rule: Any, s: Any, *,
+               write_params: bool, fused: bool) -> list[tuple]:
+  """One group: operands moved to where it runs, the kernel; ``(first, state, master)`` per leaf, where it ran."""
   where = plans[0].runs_on
-  space = HOST if where == "host" else DEVICE
   mastered = plans[0].master_dtype is not None
   # Parameters that are not read (no decay, no fused apply, or a master
   # stands in for them) are not moved either.
-  if where == "host":  # the param's sharding: its gradient and (if on the device) the param cross with it
-    to = lambda x, lp: jax.tree.map(lambda a: placement.to_host(a, lp.gather_to or lp.state_sharding), x)
-  else:
-    to = lambda x, lp: jax.tree.map(lambda a: _compat.move(a, space), x)
-  operands = [
-      LeafOperands(to(leaf.grad, lp), to(leaf.mu, lp), to(leaf.nu, lp),
-                   to(leaf.master, lp) if mastered else to(leaf.param, lp) if (lp.decay or write_params) else None)
-      for lp, leaf in zip(plans, leaves)]
+  operands = []
+  for lp, leaf in zip(plans, leaves):
+    param = leaf.master if mastered else leaf.param if (lp.decay or write_params) else None
+    if where == "host":  # the param's sharding: its gradient and (if on the device) the param cross with it
+      to = lambda x: jax.tree.map(lambda a: placement.to_host(a, lp.gather_to or lp.state_sharding), x)
+      operands.append(LeafOperands(to(leaf.grad), to(leaf.state), to(param)))
+    elif lp.state_space == DEVICE:  # the state and (a device run's) param are on the device
+      operands.append(LeafOperands(_compat.move(leaf.grad, DEVICE), leaf.state, param))
+    else:  # the state in host memory as gather typed it (host_state; a disk leaf's master) is copied in
+      to = lambda x: jax.tree.map(lambda a: jax.device_put(a, DEVICE), x)
+      operands.append(LeafOperands(_compat.move(leaf.grad, DEVICE), leaf.state if lp.on_disk else to(leaf.state),
+                                   to(param) if mastered else param))
   facts = [LeafFacts(lp.decay, lp.master_dtype if mastered else (
-      jnp.asarray(leaf.param).dtype if write_params else jnp.result_type(leaf.grad.dtype, lp.mu_dtype, lp.nu_dtype)))
+      jnp.asarray(leaf.param).dtype if write_params else jnp.result_type(leaf.grad.dtype, *lp.dtypes)))
            for lp, leaf in zip(plans, leaves)]
-  rule = Rule(adamw_mode, write_params=write_params or mastered)
+  step = step_of(rule, write_params=write_params or mastered)
   param_dtypes = [jnp.asarray(leaf.param).dtype if mastered else None for leaf in leaves]
 
   def compute(kernel, operands, s):
-    results = kernel(operands, facts, s, rule)
+    results = kernel(operands, facts, s, step)
     # A master's new param is rounded beside the master, so only the
     # low-precision value crosses to the param's memory.
-    return [(r.first.astype(dt), r.mu, r.nu, r.first) if mastered else (r.first, r.mu, r.nu, None)
+    return [(r.first.astype(dt), r.state, r.first) if mastered else (r.first, r.state, None)
             for r, dt in zip(results, param_dtypes)]
 
-  kernels = kernels_for(plan.kernel, fused=fused, runs_on=where, split=plan.split)
+  kernels = kernels_for(plan.kernel, fused=fused, runs_on=where, split=plan.split, rule=rule)
   if where == "host":
-    s = AdamScalars(*(None if x is None else _compat.move(x, HOST) for x in s))
+    s = type(s)(*(None if x is None else _compat.move(x, HOST) for x in s))
     branches = {p: _compat.host_compute(functools.partial(compute, k), out_memory_spaces=HOST)
                 for p, k in kernels.items()}
   elif plan.split == "shard_map" and set(kernels.values()) != {reference.update_leaves}:
@@ -303,12 +335,14 @@ def _run_group(plans: Sequence[LeafPlan], leaves: Sequence[LeafIn], plan: Plan, 
   return [tuple(r) for r in per_platform(branches, operands, s)]
 
 
-def _per_shard(compute, plans: Sequence[LeafPlan], mesh: Any, s: AdamScalars, operands: Sequence[LeafOperands]):
+def _per_shard(compute, plans: Sequence[LeafPlan], mesh: Any, s: Any, operands: Sequence[LeafOperands]):
   """``compute`` under ``shard_map``: every operand of a leaf split like its state, the scalars replicated."""
   specs = [lp.state_sharding.spec for lp in plans]
-  in_specs = ([LeafOperands(*(None if x is None else sp for x in op)) for op, sp in zip(operands, specs)],
-              AdamScalars(*(None if x is None else jax.sharding.PartitionSpec() for x in s)))
-  out_specs = [(sp, sp, sp, sp if lp.master_dtype is not None else None) for lp, sp in zip(plans, specs)]
+  in_specs = ([LeafOperands(sp, tuple(sp for _ in op.state), None if op.param is None else sp)
+               for op, sp in zip(operands, specs)],
+              type(s)(*(None if x is None else jax.sharding.PartitionSpec() for x in s)))
+  out_specs = [(sp, tuple(sp for _ in op.state), sp if lp.master_dtype is not None else None)
+               for lp, op, sp in zip(plans, operands, specs)]
   # check_vma=False: lax.platform_dependent's branches inside the kernels
   # type their outputs' varying axes differently; the step is elementwise.
   return jax.shard_map(compute, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
@@ -321,6 +355,8 @@ def _master_updates(outs: list[LeafOut], leaves: Sequence[LeafIn], plan: Plan) -
   region): added back in that dtype it gives the new param exactly.
   """
   mastered = [i for i, lp in enumerate(plan.leaves) if lp.master_dtype is not None]
+  if not mastered:
+    return outs
   diffs = placement.map_where_they_live(
       lambda new, old, dtype: new.astype(dtype) - old.astype(dtype),
       [outs[i].first for i in mastered], [leaves[i].param for i in mastered],

@@ -174,7 +174,14 @@ def zeros_placed(param: Any, dtype: Any, kind: str, shape: tuple | None = None) 
   ``init`` can describe the state of a model that is not materialized); under
   tracing the zeros are moved to the memory space and the compiler places them.
   """
+  return filled_placed(param, dtype, kind, None, shape=shape)
+
+
+def filled_placed(param: Any, dtype: Any, kind: str, fill: Any, shape: tuple | None = None) -> Any:
+  """:func:`zeros_placed` with every element ``fill`` (a number, or an array of ``shape``; None: zeros)."""
   shape = np.shape(param) if shape is None else tuple(shape)
+  made = lambda: (jnp.zeros(shape, dtype) if fill is None
+                  else jnp.broadcast_to(jnp.asarray(fill).astype(dtype), shape))
   if isinstance(param, jax.ShapeDtypeStruct):
     sharding = param.sharding
     if sharding is not None:
@@ -182,17 +189,18 @@ def zeros_placed(param: Any, dtype: Any, kind: str, shape: tuple | None = None) 
     elif kind != DEVICE_KIND:
       sharding = SingleDeviceSharding(jax.devices()[0], memory_kind=kind)
     return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
-  if _compat.is_tracer(param):
-    return _compat.move(jnp.zeros(shape, dtype), space_of_kind(kind))
+  if _compat.is_tracer(param) or _compat.is_tracer(fill):
+    return _compat.move(made(), space_of_kind(kind))
   sharding = getattr(param, "sharding", None)
   committed = getattr(param, "committed", False)  # NumPy arrays are not committed
   if kind == DEVICE_KIND and not committed:
     # Mirror an uncommitted param: a committed state would make the first
     # jitted step's outputs committed and the second call compile again.
-    return jnp.zeros(shape, dtype)
+    return made()
   if sharding is None:
     sharding = SingleDeviceSharding(jax.devices()[0])
-  return placed_with(None, shape, dtype, sharding.with_memory_kind(kind))
+  value = None if fill is None else np.broadcast_to(np.asarray(fill), shape)
+  return placed_with(value, shape, dtype, sharding.with_memory_kind(kind))
 
 
 def copy_placed(param: Any, dtype: Any, kind: str) -> Any:

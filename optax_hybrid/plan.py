@@ -37,7 +37,7 @@ import numpy as np
 
 from optax_hybrid import placement, tiers as tiers_lib
 from optax_hybrid.kernels import quantized
-from optax_hybrid.options import Options, is_inexact
+from optax_hybrid.options import Options
 
 # The state bytes a stage of streamed leaves gathers before the next stage
 # starts. Large enough that a stage's copies are long transfers (a PCIe 5 x16
@@ -68,11 +68,11 @@ class LeafPlan:
     tier: ``"device"``, ``"host_state"``, ``"host"`` or ``"disk"``
       (:mod:`optax_hybrid.tiers`).
     param_kind: the memory kind the param lives in.
-    state_kind: the memory kind of the in-memory state: the moments, and the
-      master copy (for the disk tier, whose moments are files, the master).
-    mu_dtype, nu_dtype: the moments' storage dtypes; for 8-bit moments, the
-      dtype of their values (float32).
-    quantized: the moments are stored 8-bit block-wise (codes and per-block
+    state_kind: the memory kind of the in-memory state: the rule's fields,
+      and the master copy (for the disk tier, whose fields are files, the master).
+    dtypes: the storage dtype of each field of the rule (:attr:`Plan.fields`);
+      for 8-bit storage, the dtype of their values (float32).
+    quantized: the fields are stored 8-bit block-wise (codes and per-block
       scales: :mod:`optax_hybrid.kernels.quantized`).
     master_dtype: the master copy's dtype, or None when the leaf keeps none.
     decay: does the leaf take weight decay (the mask, resolved once)?
@@ -83,25 +83,26 @@ class LeafPlan:
     stage: the streaming stage of a ``host_state`` or ``host`` leaf; 0 for
       others.
     files: the disk tier's files, made by ``init``: ``(field, disk.DiskMoment)``
-      pairs, ``(("mu", ...), ("nu", ...))`` (with 8-bit moments the codes there and
-      the scales under ``"mu_scales"`` and ``"nu_scales"``); the state's fields hold an empty
-      entry there (:func:`optax_hybrid.placement.empty_entry`). ``()`` for
+      pairs, ``(("mu", ...), ("nu", ...))`` for Adam (with 8-bit storage the codes there
+      and the scales under ``"mu_scales"`` and ``"nu_scales"``); the state's fields hold an
+      empty entry there (:func:`optax_hybrid.placement.empty_entry`). ``()`` for
       other tiers.
     runs_on: ``"host"`` where the update is computed in host compute (the
       host tier), else ``"device"`` (derived from the tier).
-    on_disk: the moments are files (the disk tier).
+    on_disk: the rule's fields are files (the disk tier).
     streamed: the leaf's data crosses the bus each step, in stages
       (``host_state`` and ``host``).
     group: the key of the leaves that run together: ``(runs_on, stage,
       has a master)``.
+    state_space, param_space: the memory spaces (:data:`optax_hybrid._compat.DEVICE`
+      or ``HOST``) that the step types the state and the param with.
   """
 
   path: str
   tier: str
   param_kind: str
   state_kind: str
-  mu_dtype: Any
-  nu_dtype: Any
+  dtypes: tuple = ()
   master_dtype: Any = None
   decay: bool = False
   state_sharding: Any = None
@@ -115,9 +116,13 @@ class LeafPlan:
   on_disk: bool = dataclasses.field(init=False)
   streamed: bool = dataclasses.field(init=False)
   group: tuple = dataclasses.field(init=False)
+  state_space: Any = dataclasses.field(init=False)
+  param_space: Any = dataclasses.field(init=False)
 
   def __post_init__(self):
     derived = {
+        "state_space": placement.space_of_kind(self.state_kind),
+        "param_space": placement.space_of_kind(self.param_kind),
         # "host": computed in host compute (the host tier); else on the device.
         "runs_on": "host" if self.tier == tiers_lib.HOST_TIER else "device",
         "on_disk": self.tier == tiers_lib.DISK_TIER,
@@ -145,17 +150,47 @@ class Plan:
       or ``"xla"`` (placement unknown or mixed: the XLA rule, which GSPMD
       partitions itself).
     mesh: the mesh for ``"shard_map"``, else None.
+    fields: the rule's fields (:class:`optax_hybrid.rules.Field`): the arrays
+      each leaf keeps (``mu`` and ``nu`` for Adam), in the state's order.
+    owner: the optimizer's public function, for messages (``"hybrid_adamw"``).
+    static_zeros: the rule's hyperparameters that were a concrete zero at
+      ``init`` and are left out of every step (a zero weight decay, Adam's
+      zero ``eps_root``): :attr:`optax_hybrid.rules.UpdateRule.zero_skippable`.
+    field_names: the names of ``fields`` (derived, as the rest below).
+    empty: ``{params-shaped attribute: indices of the leaves that keep an
+      empty entry there}`` for every field, its ``_scales`` and ``master``
+      (:meth:`empty_entries`).
+    on_disk: some leaf is in the disk tier.
+    zero1: some leaf's update is gathered back to its param's sharding (ZeRO-1).
   """
 
   leaves: tuple[LeafPlan, ...]
   kernel: str = "auto"
   split: str = "direct"
   mesh: Any = None
+  fields: tuple = ()
+  owner: str = "hybrid_adamw"
+  static_zeros: frozenset = frozenset()
+
+  field_names: tuple = dataclasses.field(init=False, repr=False)
+  empty: dict = dataclasses.field(init=False, repr=False)
+  on_disk: bool = dataclasses.field(init=False, repr=False)
+  zero1: bool = dataclasses.field(init=False, repr=False)
 
   def __post_init__(self):
     # A jitted step hashes its arguments' tree structure on every call, and
     # the plan is part of it: hash once.
-    object.__setattr__(self, "_hash", hash((self.leaves, self.kernel, self.split, self.mesh)))
+    object.__setattr__(self, "_key", (self.leaves, self.kernel, self.split, self.mesh, self.fields, self.owner,
+                                      self.static_zeros))
+    object.__setattr__(self, "_hash", hash(self._key))
+    # What every step reads, derived once.
+    names = tuple(f.name for f in self.fields)
+    shaped = names + tuple(n + "_scales" for n in names) + ("master",)
+    object.__setattr__(self, "field_names", names)
+    object.__setattr__(self, "empty", {field: frozenset(i for i, leaf in enumerate(self.leaves)
+                                                        if not keeps(leaf, field)) for field in shaped})
+    object.__setattr__(self, "on_disk", any(leaf.on_disk for leaf in self.leaves))
+    object.__setattr__(self, "zero1", any(leaf.gather_to is not None for leaf in self.leaves))
 
   def __hash__(self) -> int:
     return self._hash
@@ -163,8 +198,7 @@ class Plan:
   def __eq__(self, other: Any) -> bool:
     if self is other:
       return True
-    return (isinstance(other, Plan) and self._hash == other._hash and self.leaves == other.leaves
-            and (self.kernel, self.split, self.mesh) == (other.kernel, other.split, other.mesh))
+    return isinstance(other, Plan) and self._hash == other._hash and self._key == other._key
 
   @property
   def tiers(self) -> tuple[str, ...]:
@@ -175,18 +209,24 @@ class Plan:
     """The leaves (indices) that keep nothing in the state's params-shaped ``field``.
 
     Their entry there is an empty array (:func:`optax_hybrid.placement.empty_entry`):
-    ``"master"`` for a leaf without a master copy, ``"mu_scales"`` and
-    ``"nu_scales"`` for a leaf without 8-bit moments, ``"mu"`` and ``"nu"``
-    (and the scales) for a disk-tier leaf (its moments are the files in
-    :attr:`LeafPlan.files`).
+    ``"master"`` for a leaf without a master copy, ``"<field>_scales"`` for a
+    leaf without 8-bit storage, and every field of a disk-tier leaf (its
+    values are the files in :attr:`LeafPlan.files`).
     """
-    return tuple(i for i, leaf in enumerate(self.leaves)
-                 if (field == "master" and leaf.master_dtype is None)
-                 or (field in ("mu_scales", "nu_scales") and not leaf.quantized) or field in dict(leaf.files))
+    return tuple(sorted(self.empty[field]))
 
 
-def make_plan(params: Any, options: Options) -> Plan:
-  """Decides, once, everything about each leaf (see :class:`LeafPlan`).
+def keeps(leaf: LeafPlan, field: str) -> bool:
+  """Whether ``leaf`` keeps an array in the state's params-shaped ``field`` (else an empty entry)."""
+  if field == "master":
+    return leaf.master_dtype is not None
+  if leaf.on_disk:
+    return False
+  return leaf.quantized or not field.endswith("_scales")
+
+
+def make_plan(params: Any, rule: Any, options: Options) -> Plan:
+  """Decides, once, everything about each leaf (see :class:`LeafPlan`) for ``rule`` and ``options``.
 
   ``params`` may be arrays, ``jax.ShapeDtypeStruct`` s or tracers
   (``jax.eval_shape(tx.init, params)``); a plan made from any of them for the
@@ -194,60 +234,80 @@ def make_plan(params: Any, options: Options) -> Plan:
 
   Raises:
     TypeError: for integer or boolean params, or a mask that is not bools.
-    ValueError: for a memory kind the params' devices lack, moment dtypes that
+    ValueError: for a memory kind the params' devices lack, field dtypes that
       cannot hold a complex param, a mask that does not fit the params, the
       disk tier for multi-device params, or a ZeRO-1 axis the params' mesh
       lacks.
   """
-  check_inexact_leaves(params, "params")
-  o = options
-  tiers, kinds = tiers_lib.resolve(params, tiers=o.tiers, state_memory_kind=o.state_memory_kind,
-                                   offload_fraction=o.offload_fraction,
-                                   nvme_offload_fraction=o.nvme_offload_fraction)
+  owner, where, storage = options.owner, options.placement, options.storage
+  check_inexact_leaves(params, "params", owner)
+  tiers, kinds = tiers_lib.resolve(params, tiers=where.tiers, state_memory_kind=where.state_memory_kind,
+                                   offload_fraction=where.offload_fraction,
+                                   nvme_offload_fraction=where.nvme_offload_fraction, owner=owner)
   with_paths = jax.tree_util.tree_leaves_with_path(params)
-  treedef = jax.tree.structure(params)
-  decays = ([False] * len(with_paths) if o.decay_is_static_zero else mask_leaves(o.mask, params, treedef))
+  static_zeros = rule.static_zeros()
+  decays = ([False] * len(with_paths) if rule.decay is None or "weight_decay" in static_zeros
+            else mask_leaves(options.mask, params, jax.tree.structure(params), owner))
   leaves = []
   for (key_path, p), tier, kind, decay in zip(with_paths, tiers, kinds, decays):
     if tier == tiers_lib.DISK_TIER and len(placement.devices_of(p)) > 1:
       raise ValueError(
-          "hybrid_adamw: the 'disk' tier needs single-device params (its ordered file callbacks "
+          f"{owner}: the 'disk' tier needs single-device params (its ordered file callbacks "
           "cannot run in a multi-device computation); keep sharded params in 'host' or 'host_state'.")
     zero1 = None
-    if o.shard_state_over is not None and tier != tiers_lib.DISK_TIER:
-      zero1 = tiers_lib.zero1_sharding(p, o.shard_state_over)
+    if where.shard_state_over is not None and tier != tiers_lib.DISK_TIER:
+      zero1 = tiers_lib.zero1_sharding(p, where.shard_state_over, owner)
     state_sharding = tiers_lib.device_sharding_of(p, zero1)
-    quantize = o.quantize_moments and quantized.quantizable(
+    quantize = storage.quantized and bool(rule.fields) and quantized.quantizable(
         np.shape(p), p.dtype, _last_axis_shards(state_sharding, np.ndim(p)))
-    mu_dtype, nu_dtype = moment_dtypes(p.dtype, *_requested_dtypes(o, p.dtype), key_path)
     leaves.append(LeafPlan(
         path=jax.tree_util.keystr(key_path) or "<root>", tier=tier, param_kind=placement.param_memory_kind(p),
-        state_kind=kind, mu_dtype=np.dtype(mu_dtype), nu_dtype=np.dtype(nu_dtype),
-        master_dtype=np.dtype(o.master_dtype) if tiers_lib.master_needed(p.dtype, o.master_dtype) else None,
-        decay=decay, state_sharding=state_sharding, gather_to=None if zero1 is None else p.sharding,
+        state_kind=kind, dtypes=field_dtypes(p.dtype, rule, storage, key_path, owner),
+        master_dtype=np.dtype(storage.master_dtype) if tiers_lib.master_needed(p.dtype, storage.master_dtype)
+        else None, decay=decay, state_sharding=state_sharding, gather_to=None if zero1 is None else p.sharding,
         quantized=quantize))
   leaves = assign_stages(leaves, [np.shape(p) for _, p in with_paths])
   split, mesh = _split([leaf.state_sharding for leaf in leaves if leaf.runs_on == "device"])
-  return Plan(tuple(leaves), kernel=o.kernel, split=split, mesh=mesh)
+  return Plan(tuple(leaves), fields=tuple(rule.fields), owner=owner, static_zeros=static_zeros,
+              kernel=options.execution.kernel, split=split, mesh=mesh)
 
 
 def state_bytes(leaf: LeafPlan, shape: Sequence[int]) -> int:
-  """Bytes of a leaf's state that a step moves: both moments, and the master if any."""
+  """Bytes of a leaf's state that a step moves: every field of the rule, and the master if any."""
   n = int(np.prod(shape))
   master = 0 if leaf.master_dtype is None else n * np.dtype(leaf.master_dtype).itemsize
   if leaf.quantized:
-    return 2 * quantized.bytes_per_moment(shape) + master
-  return n * (np.dtype(leaf.mu_dtype).itemsize + np.dtype(leaf.nu_dtype).itemsize) + master
+    return len(leaf.dtypes) * quantized.bytes_per_moment(shape) + master
+  return n * sum(np.dtype(d).itemsize for d in leaf.dtypes) + master
 
 
-def _requested_dtypes(o: Options, param_dtype: Any) -> tuple[Any, Any]:
-  """The ``(mu_dtype, nu_dtype)`` asked for: by ``moment_format`` (8-bit: float32 values), else as given."""
-  if o.moment_format is None:
-    return o.mu_dtype, o.nu_dtype
-  real = np.dtype(jnp.float32 if o.quantize_moments else o.moment_format)
-  if jnp.issubdtype(param_dtype, jnp.complexfloating):
-    return jnp.result_type(real, jnp.complex64), real
-  return real, real
+def field_dtypes(param_dtype: Any, rule: Any, storage: Any, path: Any, owner: str) -> tuple:
+  """The storage dtype of each of ``rule``'s fields for a param of ``param_dtype`` (8-bit: their values' dtype).
+
+  ``moment_format`` sets every field; else each field's own dtype argument,
+  else the param's dtype (its real counterpart for a real field).
+
+  Raises:
+    ValueError: for a real dtype asked for a complex param's field, or a complex one for a real field.
+  """
+  complex_param = jnp.issubdtype(param_dtype, jnp.complexfloating)
+  real_param_dtype = jnp.finfo(param_dtype).dtype if complex_param else param_dtype
+  out = []
+  for field, asked in zip(rule.fields, rule.field_dtypes):
+    if storage.moment_format is not None:
+      asked = np.dtype(jnp.float32 if storage.quantized else storage.moment_format)
+      if complex_param and not field.real:
+        asked = jnp.result_type(asked, jnp.complex64)
+    dtype = np.dtype((real_param_dtype if field.real else param_dtype) if asked is None else asked)
+    argument = field.dtype_argument or "moment_format"
+    if complex_param and not field.real and not jnp.issubdtype(dtype, jnp.complexfloating):
+      raise ValueError(f"{owner}: `{argument}`={dtype} cannot hold `{field.name}` of the complex param "
+                       f"{jax.tree_util.keystr(path)}; use a complex {argument} or None.")
+    if field.real and jnp.issubdtype(dtype, jnp.complexfloating):
+      raise ValueError(f"{owner}: `{argument}`={dtype} must be real: `{field.name}` holds real values "
+                       "(sums of |g|^2) even for complex params.")
+    out.append(dtype)
+  return tuple(out)
 
 
 def _last_axis_shards(sharding: Any, ndim: int) -> int:
@@ -287,38 +347,20 @@ def _split(shardings: Sequence[Any]) -> tuple[str, Any]:
   return ("shard_map", meshes.pop()) if len(meshes) == 1 else ("xla", None)
 
 
-def check_inexact_leaves(tree: Any, what: str) -> None:
+def check_inexact_leaves(tree: Any, what: str, owner: str) -> None:
   """Raises a TypeError naming the first integer or boolean leaf of ``tree``."""
   for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
     dtype = jnp.result_type(leaf) if not hasattr(leaf, "dtype") else leaf.dtype
-    if not is_inexact(dtype):
+    if not jnp.issubdtype(dtype, jnp.inexact):  # floating or complex
       raise TypeError(
-          f"hybrid_adamw: {what} leaf {jax.tree_util.keystr(path) or '<root>'} has "
+          f"{owner}: {what} leaf {jax.tree_util.keystr(path) or '<root>'} has "
           f"dtype {dtype}; only floating-point and complex leaves can be "
           "optimized. Keep integer and boolean leaves out of the optimized tree "
           "(for example with optax.masked or nnx.Optimizer(..., wrt=nnx.Param))."
       )
 
 
-def moment_dtypes(param_dtype, mu_dtype, nu_dtype, path) -> tuple:
-  """Storage dtypes of one leaf's moments. The second moment of a complex leaf is real."""
-  complex_param = jnp.issubdtype(param_dtype, jnp.complexfloating)
-  mu = param_dtype if mu_dtype is None else mu_dtype
-  nu = (jnp.finfo(param_dtype).dtype if complex_param else param_dtype) if nu_dtype is None else nu_dtype
-  if complex_param and not jnp.issubdtype(mu, jnp.complexfloating):
-    raise ValueError(
-        f"hybrid_adamw: `mu_dtype`={jnp.dtype(mu)} cannot hold the first moment of the "
-        f"complex param {jax.tree_util.keystr(path)}; use a complex mu_dtype or None."
-    )
-  if jnp.issubdtype(nu, jnp.complexfloating):
-    raise ValueError(
-        f"hybrid_adamw: `nu_dtype`={jnp.dtype(nu)} must be real: the second moment "
-        "accumulates |g|^2."
-    )
-  return mu, nu
-
-
-def mask_leaves(mask: Any, params: Any, treedef: Any) -> list[bool]:
+def mask_leaves(mask: Any, params: Any, treedef: Any, owner: str) -> list[bool]:
   """One bool per params leaf: does the leaf take weight decay?"""
   if mask is None:
     return [True] * treedef.num_leaves
@@ -335,7 +377,7 @@ def mask_leaves(mask: Any, params: Any, treedef: Any) -> list[bool]:
     )
   except (ValueError, TypeError) as e:
     raise ValueError(
-        "hybrid_adamw: `mask` must have the tree structure of the params (or "
+        f"{owner}: `mask` must have the tree structure of the params (or "
         f"be a prefix of it) with bool leaves; params: {treedef}, mask: "
         f"{jax.tree.structure(mask)}."
     ) from e
@@ -343,13 +385,13 @@ def mask_leaves(mask: Any, params: Any, treedef: Any) -> list[bool]:
   for leaf in leaves:
     if isinstance(leaf, jax.Array):  # traced, or computed from the values init saw
       raise TypeError(
-          "hybrid_adamw: `mask` leaves must be concrete bools, not arrays computed "
+          f"{owner}: `mask` leaves must be concrete bools, not arrays computed "
           "from the params; compute the mask from the params' structure, not their "
           "values (it is resolved once, by init)."
       )
     if np.ndim(leaf) != 0 or np.asarray(leaf).dtype != np.bool_:
       raise TypeError(
-          f"hybrid_adamw: `mask` leaves must be bools, got {leaf!r}."
+          f"{owner}: `mask` leaves must be bools, got {leaf!r}."
       )
     out.append(bool(leaf))
   return out

@@ -25,7 +25,7 @@ import optax
 from optax_hybrid import _checks, _compat, placement
 from optax_hybrid.paths import path_name  # documented here too: param_groups match its paths
 from optax_hybrid.schedules import warmup_cosine_schedule
-from optax_hybrid.transform import HybridAdamState, hybrid_adamw
+from optax_hybrid.rules.adamw import HybridAdamState, hybrid_adamw
 
 DEFAULT_WARMUP_FRACTION = 0.03
 DEFAULT_MIN_LR_RATIO = 0.1
@@ -683,7 +683,7 @@ def standard_optimizer(
   _check_hybrid_options(hybrid_options)
 
   def adamw(lr, wd):
-    return hybrid_adamw(lr, b1=b1, b2=b2, eps=eps, weight_decay=wd, mask=mask, **hybrid_options)
+    return hybrid_adamw(lr, b1, b2, eps, weight_decay=wd, mask=mask, **hybrid_options)
 
   core = adamw(sched, weight_decay)
   trainable_groups = 1

@@ -21,22 +21,23 @@ from optax_hybrid import _compat
 from optax_hybrid.disk import DiskMoment
 from optax_hybrid.paths import path_name, path_names
 from optax_hybrid.plan import Plan
-from optax_hybrid.transform import HybridAdamState
+from optax_hybrid.rules import is_state
+from optax_hybrid.transform import params_shaped_fields
 
 DEVICE, HOST, DISK = "device", "host", "disk"
 MEMORIES = (DEVICE, HOST, DISK)
 TIERS = ("device", "host_state", "host", "disk")
 OTHER_STATE = "other_state"
 COMPONENTS = ("params", "gradients", "moments", "master_weights", "other_state")
-# HybridAdamState fields shaped like the params: the state attached to each
-# param ("master" holds an fp32 copy of low-precision params, where the
-# optimizer keeps one; an empty entry elsewhere, as mu/nu of disk-tier leaves,
-# whose moments are the plan's files).
-# 8-bit moments keep their codes in "mu"/"nu" and their per-block scales,
-# shaped otherwise, in "*_scales".
-_PER_PARAM_FIELDS = {"mu": "moments", "nu": "moments", "master": "master_weights",
-                     "mu_scales": "moments", "nu_scales": "moments"}
-_SHAPED_OTHERWISE = ("mu_scales", "nu_scales")
+# A rule's state fields shaped like the params are the state attached to each
+# param: the rule's fields (Adam's mu and nu...) count as "moments", "master"
+# (an fp32 copy of low-precision params, where the optimizer keeps one) as
+# "master_weights"; an empty entry stands where a leaf keeps nothing, as for
+# the fields of disk-tier leaves, whose values are the plan's files. 8-bit
+# fields keep their codes in the field and their per-block scales, shaped
+# otherwise, in "<field>_scales".
+def _component(field: str) -> str:
+  return "master_weights" if field == "master" else "moments"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,8 +54,8 @@ class LeafMemory:
       report's convention, its gradient) lives.
     param_bytes: bytes of the param (global, over all shards).
     state: ``{"device": bytes, "host": bytes, "disk": bytes}`` of the
-      optimizer state attached to this param (Adam moments, and a master copy
-      where the optimizer keeps one), from every ``HybridAdamState`` in the
+      optimizer state attached to this param (the rule's moments, and a master
+      copy where the optimizer keeps one), from every ``hybrid_*`` state in the
       state.
   """
 
@@ -79,7 +80,7 @@ class MemoryReport:
   Attributes:
     num_params: the number of weights (elements of all param leaves).
     num_leaves: the number of param leaves.
-    num_leaves_without_state: param leaves no ``HybridAdamState`` holds state
+    num_leaves_without_state: param leaves no ``hybrid_*`` state holds state
       for (frozen, or optimized by another transform).
     weights_by_tier: tier -> number of weights.
     by_tier: ``"device"``, ``"host_state"``, ``"host"``, ``"disk"`` and
@@ -137,7 +138,7 @@ class MemoryReport:
     for tier in TIERS if DISK in memories else TIERS[:-1]:
       table.append(row(f"{tier} tier ({self.weights_by_tier[tier]:,} weights)", self.by_tier[tier]))
     table += [row("other state", self.by_tier[OTHER_STATE]), None]
-    names = {"params": "params", "gradients": "gradients (1 per param)", "moments": "Adam moments",
+    names = {"params": "params", "gradients": "gradients (1 per param)", "moments": "optimizer moments",
              "master_weights": "master weights", "other_state": "other state"}
     for component in COMPONENTS:
       table.append(row(names[component], self.by_component[component]))
@@ -225,13 +226,15 @@ class _Placed:
     return out
 
 
+# 115 code lines with its nested helpers: one pass over the params and every state, whose helpers share
+# six accumulators (attached bytes, by component, per device, tiers...); split, they would travel as arguments.
 def memory_report(params: Any, opt_state: Any) -> MemoryReport:
   """Accounts for the memory of training: params, gradients and optimizer state, device against host.
 
   Each param leaf is put in one tier:
 
-  * ``"device"``: the param and its Adam moments in device memory (or no
-    moments: a frozen param);
+  * ``"device"``: the param and its optimizer state (Adam's moments, Lion's
+    momentum...) in device memory (or no state: a frozen param);
   * ``"host_state"``: the param in device memory, its moments in host memory
     (``state_memory_kind="pinned_host"``);
   * ``"host"``: the param itself in host memory;
@@ -246,14 +249,15 @@ def memory_report(params: Any, opt_state: Any) -> MemoryReport:
   the state, so the report assumes what a training step holds: **one
   gradient per param leaf, in the param's dtype and in the param's memory**
   (frozen params included, as ``jax.grad`` over the whole tree gives them
-  one). The attached state is the ``mu`` and ``nu`` (and ``master`` copy,
-  where kept) of every :class:`optax_hybrid.HybridAdamState` found anywhere
+  one). The attached state is the rule's fields (``mu`` and ``nu`` for
+  :func:`optax_hybrid.hybrid_adamw`; ``mu`` for ``hybrid_lion``...) and the
+  ``master`` copy, where kept, of every ``hybrid_*`` optimizer's state found anywhere
   in ``opt_state`` (inside ``optax.chain``, ``optax.MultiSteps``,
   ``optax.masked``, ``optax.multi_transform``,
   :func:`optax_hybrid.recipe.standard_optimizer`, ``nnx.Optimizer.opt_state``),
   matched to params by tree path. All other state arrays (step counts,
   ``MultiSteps`` gradient accumulators, other transforms' state, the state of
-  optimizers other than ``hybrid_adamw``) form the ``"other_state"`` row.
+  optimizers other than ``optax_hybrid``'s) form the ``"other_state"`` row.
 
   Each array's memory is read from its ``sharding.memory_kind``:
   ``pinned_host`` and ``unpinned_host`` are host memory; anything else,
@@ -327,27 +331,28 @@ def memory_report(params: Any, opt_state: Any) -> MemoryReport:
     return i
 
   def attach(where: str, sub_path, placed: _Placed, field: str) -> None:
-    i = param_index(where, sub_path, placed, params_shaped=field not in _SHAPED_OTHERWISE)
+    i = param_index(where, sub_path, placed, params_shaped=not field.endswith("_scales"))
     attached[i][placed.memory] += placed.nbytes
     has_state[i] = True
-    by_component[_PER_PARAM_FIELDS[field]][placed.memory] += placed.nbytes
+    by_component[_component(field)][placed.memory] += placed.nbytes
     add_device_shards(placed)
 
-  is_hybrid = lambda x: isinstance(x, HybridAdamState)
-  for key_path, node in jax.tree_util.tree_leaves_with_path(opt_state, is_leaf=is_hybrid):
-    if not is_hybrid(node):
+  for key_path, node in jax.tree_util.tree_leaves_with_path(opt_state, is_leaf=is_state):
+    if not is_state(node):
       add_other(key_path, node)
       continue
     # A state that carries its placement plan (one LeafPlan per leaf, in the
-    # order of its moments) names each leaf's tier, its files, and the empty
+    # order of its fields) names each leaf's tier, its files, and the empty
     # entries that stand where a leaf keeps nothing.
     plan = node.plan if isinstance(node.plan, Plan) else None
-    mu_paths = [p for p, _ in jax.tree_util.tree_leaves_with_path(node.mu)]
-    if plan is not None and len(plan.leaves) != len(mu_paths):
+    shaped = params_shaped_fields(node)
+    trees = [getattr(node, name) for name in shaped if getattr(node, name) is not None]
+    leaf_paths = [p for p, _ in jax.tree_util.tree_leaves_with_path(trees[0])] if trees else []
+    if plan is not None and len(plan.leaves) != len(leaf_paths):
       plan = None
     for field in node._fields:
       entries = jax.tree_util.tree_leaves_with_path(getattr(node, field))
-      if field not in _PER_PARAM_FIELDS:
+      if field not in shaped:
         for sub_path, leaf in entries:
           add_other(key_path + sub_path, leaf)
         continue
@@ -358,7 +363,7 @@ def memory_report(params: Any, opt_state: Any) -> MemoryReport:
           attach(where, sub_path, _Placed(leaf, where, numpy_ok=True), field)
     if plan is None:
       continue
-    for sub_path, leaf in zip(mu_paths, plan.leaves):
+    for sub_path, leaf in zip(leaf_paths, plan.leaves):
       for field, moment in leaf.files:
         where = f"opt_state{jax.tree_util.keystr(key_path)}.plan's {field} file of {path_name(sub_path)!r}"
         attach(where, sub_path, _Placed(moment, where, numpy_ok=False), field)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import numbers
+from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
@@ -14,6 +15,45 @@ from optax_hybrid import _checks
 # The largest step count any JAX integer type holds (int64): no count reaches
 # a schedule length beyond it, and floats represent every length up to it.
 MAX_STEPS = 2**63 - 1
+
+
+def _checked(peak_value: Any, total_steps: Any, warmup_steps: Any, eta_min: Any) -> tuple:
+  """:func:`warmup_cosine_schedule`'s arguments, checked: ``(peak_value, eta_min, total_steps, warmup_steps)``."""
+  owner, steps = "warmup_cosine_schedule", "an integer number of steps"
+  peak_value = _checks.real(owner, "peak_value", peak_value)
+  eta_min = _checks.real(owner, "eta_min", eta_min)
+  total_steps = _checks.integer(owner, "total_steps", total_steps, what=steps)
+  warmup_steps = _checks.integer(owner, "warmup_steps", warmup_steps, what=steps)
+  if warmup_steps < 0:
+    raise ValueError(
+        f"warmup_cosine_schedule: `warmup_steps` must be >= 0, got {warmup_steps}."
+    )
+  if total_steps > MAX_STEPS:
+    raise ValueError(
+        f"warmup_cosine_schedule: `total_steps` must be at most 2**63 - 1 (the largest int64 "
+        f"step count), got {total_steps}."
+    )
+  if total_steps <= warmup_steps:
+    raise ValueError(
+        "warmup_cosine_schedule: `total_steps` must be greater than "
+        f"`warmup_steps`, got total_steps={total_steps} and "
+        f"warmup_steps={warmup_steps}; raise total_steps or lower warmup_steps."
+    )
+  if peak_value < 0:
+    raise ValueError(
+        f"warmup_cosine_schedule: `peak_value` must be >= 0, got {peak_value}."
+    )
+  if eta_min < 0:
+    raise ValueError(
+        f"warmup_cosine_schedule: `eta_min` must be >= 0, got {eta_min}."
+    )
+  if eta_min > peak_value:
+    raise ValueError(
+        f"warmup_cosine_schedule: `eta_min` ({eta_min}) must not exceed "
+        f"`peak_value` ({peak_value}); the cosine decays from the peak down to "
+        "eta_min."
+    )
+  return peak_value, eta_min, total_steps, warmup_steps
 
 
 def warmup_cosine_schedule(
@@ -74,40 +114,7 @@ def warmup_cosine_schedule(
     >>> [round(float(sched(k)), 3) for k in (0, 5, 10, 55, 100, 150)]
     [0.1, 0.6, 1.0, 0.55, 0.1, 0.1]
   """
-  owner, steps = "warmup_cosine_schedule", "an integer number of steps"
-  peak_value = _checks.real(owner, "peak_value", peak_value)
-  eta_min = _checks.real(owner, "eta_min", eta_min)
-  total_steps = _checks.integer(owner, "total_steps", total_steps, what=steps)
-  warmup_steps = _checks.integer(owner, "warmup_steps", warmup_steps, what=steps)
-  if warmup_steps < 0:
-    raise ValueError(
-        f"warmup_cosine_schedule: `warmup_steps` must be >= 0, got {warmup_steps}."
-    )
-  if total_steps > MAX_STEPS:
-    raise ValueError(
-        f"warmup_cosine_schedule: `total_steps` must be at most 2**63 - 1 (the largest int64 "
-        f"step count), got {total_steps}."
-    )
-  if total_steps <= warmup_steps:
-    raise ValueError(
-        "warmup_cosine_schedule: `total_steps` must be greater than "
-        f"`warmup_steps`, got total_steps={total_steps} and "
-        f"warmup_steps={warmup_steps}; raise total_steps or lower warmup_steps."
-    )
-  if peak_value < 0:
-    raise ValueError(
-        f"warmup_cosine_schedule: `peak_value` must be >= 0, got {peak_value}."
-    )
-  if eta_min < 0:
-    raise ValueError(
-        f"warmup_cosine_schedule: `eta_min` must be >= 0, got {eta_min}."
-    )
-  if eta_min > peak_value:
-    raise ValueError(
-        f"warmup_cosine_schedule: `eta_min` ({eta_min}) must not exceed "
-        f"`peak_value` ({peak_value}); the cosine decays from the peak down to "
-        "eta_min."
-    )
+  peak_value, eta_min, total_steps, warmup_steps = _checked(peak_value, total_steps, warmup_steps, eta_min)
   decay_steps = total_steps - warmup_steps
 
   def schedule_exact(k: float) -> jnp.ndarray:

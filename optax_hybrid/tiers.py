@@ -49,45 +49,45 @@ STATE_KIND = {DEVICE_TIER: placement.DEVICE_KIND, HOST_STATE_TIER: placement.HOS
 TierSpec = Any  # None | str | Callable[[tuple, Any], str | None] | a pytree prefix of str
 
 
-def check_tier_spec(spec: TierSpec) -> None:
-  """Early validation of ``tiers`` when the optimizer is built."""
+def check_tier_spec(spec: TierSpec, owner: str = "optax_hybrid") -> None:
+  """Early validation of ``tiers`` when the optimizer is built (``owner`` names it in messages)."""
   if spec is None or callable(spec):
     return
   for leaf in jax.tree.leaves(spec):
-    _check_tier(leaf, "tiers")
+    _check_tier(leaf, "tiers", owner)
 
 
-def _check_tier(tier: Any, argument: str) -> str:
+def _check_tier(tier: Any, argument: str, owner: str) -> str:
   if not isinstance(tier, str) or tier not in TIERS:
     raise ValueError(
-        f"hybrid_adamw: `{argument}`={tier!r} is not a tier; use one of "
+        f"{owner}: `{argument}`={tier!r} is not a tier; use one of "
         f"{', '.join(repr(t) for t in TIERS)} (or None for the default placement)."
     )
   return tier
 
 
-def check_fraction(name: str, value: Any) -> float | None:
-  """A fraction of params in [0, 1], or None."""
+def check_fraction(name: str, value: Any, owner: str = "optax_hybrid") -> float | None:
+  """A fraction of params in [0, 1], or None (``owner`` names the function in messages)."""
   if value is None:
     return None
   if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(float(value)) \
       or not 0.0 <= float(value) <= 1.0:
-    raise ValueError(f"hybrid_adamw: `{name}` must be a number in [0, 1] (a fraction of the params, by "
+    raise ValueError(f"{owner}: `{name}` must be a number in [0, 1] (a fraction of the params, by "
                      f"size), got {value!r}.")
   return float(value)
 
 
-def _spec_leaves(spec: TierSpec, params: Any) -> list:
+def _spec_leaves(spec: TierSpec, params: Any, owner: str) -> list:
   """Per params leaf: the tier ``spec`` asks for, or None."""
   if spec is None:
     return [None] * len(jax.tree.leaves(params))
   if isinstance(spec, str):
-    return [_check_tier(spec, "tiers")] * len(jax.tree.leaves(params))
+    return [_check_tier(spec, "tiers", owner)] * len(jax.tree.leaves(params))
   if callable(spec):
     out = []
     for path, param in jax.tree_util.tree_leaves_with_path(params):
       tier = spec(path, param)
-      out.append(None if tier is None else _check_tier(tier, f"tiers({jax.tree_util.keystr(path)})"))
+      out.append(None if tier is None else _check_tier(tier, f"tiers({jax.tree_util.keystr(path)})", owner))
     return out
   treedef = jax.tree.structure(params)
   try:
@@ -97,10 +97,10 @@ def _spec_leaves(spec: TierSpec, params: Any) -> list:
         is_leaf=lambda x: x is None))
   except (ValueError, TypeError) as e:
     raise ValueError(
-        "hybrid_adamw: `tiers` must be a tier name, a callable (path, param) -> tier, or a tree with "
+        f"{owner}: `tiers` must be a tier name, a callable (path, param) -> tier, or a tree with "
         f"the structure of the params (or a prefix of it); params: {treedef}, tiers: "
         f"{jax.tree.structure(spec)}.") from e
-  return [None if t is None else _check_tier(t, "tiers") for t in leaves]
+  return [None if t is None else _check_tier(t, "tiers", owner) for t in leaves]
 
 
 def pick_by_fraction(sizes: Sequence[int], fraction: float, eligible: Sequence[bool]) -> list[bool]:
@@ -124,8 +124,8 @@ def pick_by_fraction(sizes: Sequence[int], fraction: float, eligible: Sequence[b
 
 
 def resolve(params: Any, *, tiers: TierSpec, state_memory_kind: placement.MemoryKindSpec,
-            offload_fraction: float | None, nvme_offload_fraction: float | None = None
-            ) -> tuple[list[str], list[str]]:
+            offload_fraction: float | None, nvme_offload_fraction: float | None = None,
+            owner: str = "optax_hybrid") -> tuple[list[str], list[str]]:
   """Each leaf's tier and the memory kind of its in-memory state, in leaf order.
 
   ``tiers`` (if given) chooses the tier; otherwise ``state_memory_kind`` does
@@ -137,7 +137,7 @@ def resolve(params: Any, *, tiers: TierSpec, state_memory_kind: placement.Memory
   """
   leaves = jax.tree.leaves(params)
   param_kinds = [placement.param_memory_kind(p) for p in leaves]
-  wanted = _spec_leaves(tiers, params)
+  wanted = _spec_leaves(tiers, params, owner)
   if tiers is None:
     kinds = jax.tree.leaves(placement.resolve_state_kinds(params, state_memory_kind))
   else:
@@ -146,7 +146,7 @@ def resolve(params: Any, *, tiers: TierSpec, state_memory_kind: placement.Memory
   for path_leaf, want, kind, pkind in zip(jax.tree_util.tree_leaves_with_path(params), wanted, kinds, param_kinds):
     if pkind == placement.HOST_KIND and want == DISK_TIER:
       raise ValueError(
-          f"hybrid_adamw: the param at {jax.tree_util.keystr(path_leaf[0])} lives in host memory, so it is "
+          f"{owner}: the param at {jax.tree_util.keystr(path_leaf[0])} lives in host memory, so it is "
           "updated on the host; give it the 'host' tier (its moments in pinned_host), not 'disk'.")
     if pkind == placement.HOST_KIND:
       names.append(HOST_TIER)  # computed on the host, wherever its state is
@@ -168,7 +168,7 @@ def resolve(params: Any, *, tiers: TierSpec, state_memory_kind: placement.Memory
   return names, kinds
 
 
-def zero1_sharding(param: Any, axis: str) -> Any:
+def zero1_sharding(param: Any, axis: str, owner: str = "optax_hybrid") -> Any:
   """The state sharding ZeRO-1 gives a leaf: the param's, split further over mesh ``axis``, or None.
 
   The first dimension that the param's spec leaves unsharded and whose size
@@ -184,7 +184,7 @@ def zero1_sharding(param: Any, axis: str) -> Any:
   mesh = getattr(sharding, "mesh", None)
   if not isinstance(sharding, jax.sharding.NamedSharding) or axis not in mesh.axis_names:
     raise ValueError(
-        f"hybrid_adamw: `shard_state_over`={axis!r} needs params placed with a NamedSharding on a mesh "
+        f"{owner}: `shard_state_over`={axis!r} needs params placed with a NamedSharding on a mesh "
         f"that has that axis; got a param with sharding {sharding}.")
   spec = list(sharding.spec) + [None] * (len(np.shape(param)) - len(sharding.spec))
   used = {a for entry in spec if entry is not None for a in (entry if isinstance(entry, tuple) else (entry,))}

@@ -125,7 +125,7 @@ for kind in ("device", "pinned_host"):
 
 # ZeRO-1 with bf16 params and an fp32 master split over "data".
 bf = {k: jax.device_put(v.astype(jnp.bfloat16), NamedSharding(mesh, P())) for k, v in host_values.items()}
-zm = optax_hybrid.hybrid_adamw(1e-2, state_memory_kind="pinned_host", shard_state_over="data",
+zm = optax_hybrid.hybrid_adamw(1e-2, weight_decay=0.0, state_memory_kind="pinned_host", shard_state_over="data",
                                master_dtype=jnp.float32, mu_dtype=jnp.float32, nu_dtype=jnp.float32)
 szm = zm.init(bf)
 assert szm.master["w"].sharding.is_equivalent_to(NamedSharding(mesh, P("data", None), memory_kind="pinned_host"), 2)

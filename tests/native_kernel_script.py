@@ -24,7 +24,7 @@ import numpy as np  # noqa: E402
 
 import optax_hybrid  # noqa: E402
 from optax_hybrid.kernels import native_cpu, reference  # noqa: E402
-from stepping import call_kernel, random_leaves  # noqa: E402
+from stepping import adam_scalars, call_kernel, random_leaves  # noqa: E402
 from test_kernels import COMBOS, SIZES, ulps  # noqa: E402
 
 
@@ -41,7 +41,7 @@ def compare(adamw_mode, write_params, step_ok=None):
   decays = [i % 2 == 0 for i in range(len(g))]
   out_dtypes = [b.dtype for b in p] if write_params else [jnp.result_type(a.dtype, b.dtype) for a, b in zip(g, m)]
   ok = None if step_ok is None else jnp.asarray(step_ok)
-  s = reference.step_scalars(jnp.int32(4), 3e-2, 0.9, 0.99, 1e-6, 0.1, True, ok)
+  s = adam_scalars(jnp.int32(4), 3e-2, 0.9, 0.99, 1e-6, 0.1, True, ok)
   run = lambda kernel, g, m, v, p: call_kernel(kernel, g, m, v, p, decays, out_dtypes, s, adamw_mode=adamw_mode,
                                                write_params=write_params)
   native = jax.jit(lambda *leaves: run(native_cpu.update_leaves, *leaves))(g, m, v, p)

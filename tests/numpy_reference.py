@@ -147,3 +147,27 @@ def adamw_step_8bit(g, p, m_codes, m_scales, v_codes, v_scales, *, lr, t, b1=0.9
   if adamw_mode:
     new_p = new_p - lr * weight_decay * p
   return new_p, quantize_blockwise(m, True), quantize_blockwise(v, False)
+
+
+# --- the other rules, float64, from their papers / Optax's documented formulas -------------------------
+
+def lion_step64(g, p, m, *, lr, b1, b2, weight_decay):
+  """One Lion step (Chen et al. 2023): (new param, new momentum)."""
+  g, p, m = (np.asarray(x, np.float64) for x in (g, p, m))
+  new_p = p - lr * (np.sign((1 - b1) * g + b1 * m) + weight_decay * p)
+  return new_p, (1 - b2) * g + b2 * m
+
+
+def adagrad_step64(g, p, s, *, lr, eps):
+  """One Adagrad step as optax.adagrad writes it (no update where the sum is 0): (new param, new sum)."""
+  g, p, s = (np.asarray(x, np.float64) for x in (g, p, s))
+  s = s + g * g
+  safe = np.where(s > 0, s, 1.0)
+  return p - lr * np.where(s > 0, g / np.sqrt(safe + eps), 0.0), s
+
+
+def sgd_step64(g, p, b, *, lr, momentum, nesterov):
+  """One SGD step with momentum (PyTorch's and optax.sgd's form): (new param, new momentum buffer)."""
+  g, p, b = (np.asarray(x, np.float64) for x in (g, p, b))
+  b = g + momentum * b
+  return p - lr * (g + momentum * b if nesterov else b), b

@@ -69,7 +69,7 @@ def kernel_and_reference(kernel, sizes, pdtype, mdtype, *, adamw_mode, write_par
   decays = [i % 2 == 0 for i in range(len(sizes))]
   out_dtypes = [x.dtype for x in p] if write_params else [jnp.result_type(a.dtype, b.dtype) for a, b in zip(g, m)]
   ok = None if step_ok is None else jnp.asarray(step_ok)
-  s = reference.step_scalars(jnp.int32(4), 3e-2, 0.9, 0.99, 1e-6, 0.1, bias_correction, ok)
+  s = adam_scalars(jnp.int32(4), 3e-2, 0.9, 0.99, 1e-6, 0.1, bias_correction, ok)
 
   def run(k):
     return jax.jit(lambda g, m, v, p: call_kernel(k, g, m, v, p, decays, out_dtypes, s, adamw_mode=adamw_mode,
@@ -78,14 +78,22 @@ def kernel_and_reference(kernel, sizes, pdtype, mdtype, *, adamw_mode, write_par
   return run(kernel), run(reference.update_leaves), (g, m, v, p)
 
 
+def adam_scalars(count, learning_rate, b1, b2, eps, weight_decay, bias_correction, step_ok=None):
+  """AdamW's per-step scalars for the update after ``count`` earlier ones (the rule's own ``scalars``)."""
+  from optax_hybrid.rules.adamw import AdamW
+  rule = AdamW(b1=b1, b2=b2, eps=eps, weight_decay=weight_decay, bias_correction=bias_correction)
+  return rule.scalars(count, learning_rate, step_ok)
+
+
 def call_kernel(kernel, g, m, v, p, decays, out_dtypes, s, *, adamw_mode, write_params=False, **kwargs):
-  """A kernel on parallel lists, through the kernel contract: returns ``(firsts, new_mus, new_nus)``.
+  """An AdamW kernel on parallel lists, through the kernel contract: returns ``(firsts, new_mus, new_nus)``.
 
   Params are passed to the kernel only where it reads them (decay or ``write_params``), as the step does.
   """
-  from optax_hybrid.kernels import LeafFacts, LeafOperands, Rule
-  leaves = [LeafOperands(gi, mi, vi, pi if (d or write_params) else None)
+  from optax_hybrid.kernels import LeafFacts, LeafOperands, step_of
+  from optax_hybrid.rules.adamw import AdamW
+  leaves = [LeafOperands(gi, (mi, vi), pi if (d or write_params) else None)
             for gi, mi, vi, pi, d in zip(g, m, v, p, decays)]
   facts = [LeafFacts(d, dt) for d, dt in zip(decays, out_dtypes)]
-  results = kernel(leaves, facts, s, Rule(adamw_mode, write_params), **kwargs)
-  return [r.first for r in results], [r.mu for r in results], [r.nu for r in results]
+  results = kernel(leaves, facts, s, step_of(AdamW(adamw_mode=adamw_mode), write_params), **kwargs)
+  return [r.first for r in results], [r.state[0] for r in results], [r.state[1] for r in results]

@@ -100,7 +100,7 @@ def test_a_save_still_writing_when_the_program_ends_is_finished(tmp_path):
 
 def test_round_trip_keeps_memory_kinds_in_process(tmp_path):
   params = jax.device_put({"w": jnp.arange(12.0).reshape(3, 4), "b": jnp.ones(4)}, jax.devices()[0])
-  tx = optax_hybrid.hybrid_adamw(1e-2, state_memory_kind=lambda path, p: "pinned_host" if p.ndim == 2 else "device")
+  tx = optax_hybrid.hybrid_adamw(1e-2, weight_decay=0.0, state_memory_kind=lambda path, p: "pinned_host" if p.ndim == 2 else "device")
   state = tx.init(params)
   _, state = jax.jit(tx.update)(jax.tree.map(jnp.ones_like, params), state, params)
   manager = optax_hybrid.checkpoint.manager(tmp_path / "c")

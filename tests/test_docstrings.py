@@ -32,7 +32,7 @@ def test_docstring_examples(name):
 def test_the_exported_functions_have_examples():
   """The search finds the examples that are there (a broken finder would pass every module)."""
   names = {t.name for m in MODULES for t in doctest.DocTestFinder().find(importlib.import_module(m)) if t.examples}
-  for expected in ("optax_hybrid.transform.hybrid_adamw", "optax_hybrid.schedules.warmup_cosine_schedule",
+  for expected in ("optax_hybrid.rules.adamw.hybrid_adamw", "optax_hybrid.schedules.warmup_cosine_schedule",
                    "optax_hybrid.report.memory_report", "optax_hybrid.recipe.standard_optimizer"):
     assert expected in names, sorted(names)
 

@@ -195,8 +195,8 @@ TRIGGERS = {
     "offload-fraction": lambda: hybrid(offload_fraction=-0.1),
     "offload-fraction-sum": lambda: hybrid(offload_fraction=0.7, nvme_offload_fraction=0.4),
     "master-dtype": lambda: hybrid(master_dtype=jnp.complex64),
-    "master-needs-params": lambda: hybrid(master_dtype=jnp.float32).update(
-        GRADS_BF16, hybrid(master_dtype=jnp.float32).init(PARAMS_BF16)),
+    "master-needs-params": lambda: hybrid(master_dtype=jnp.float32, weight_decay=0.0).update(
+        GRADS_BF16, hybrid(master_dtype=jnp.float32, weight_decay=0.0).init(PARAMS_BF16)),
     "nvme-dir-missing": lambda: hybrid(nvme_offload_fraction=0.5, nvme_offload_dir="/nonexistent/optax_hybrid"),
     "nvme-dir-not-dir": lambda: hybrid(nvme_offload_fraction=0.5, nvme_offload_dir=tmp_file()),
     "nvme-closed": closed_disk_state,

@@ -17,7 +17,8 @@ import pytest
 from optax_hybrid import kernels
 from optax_hybrid.kernels import native_cpu, pallas_gpu, reference
 from loading import ROOT
-from stepping import call_kernel, kernel_and_reference
+from stepping import adam_scalars, call_kernel, kernel_and_reference
+from optax_hybrid.rules.adamw import AdamW
 
 needs_native = pytest.mark.skipif(not native_cpu.available(), reason=f"native kernel: {native_cpu.why_unavailable()}")
 
@@ -56,10 +57,11 @@ def test_leaf_update_against_float64(adamw_mode, bias_correction, decay):
   p, g, m, v = (rng.normal(size=11) for _ in range(4))
   v = np.abs(v)
   count, lr, b1, b2, eps, wd = 6, 0.03, 0.8, 0.97, 1e-6, 0.2
-  s = reference.step_scalars(jnp.int32(count), lr, b1, b2, eps, wd, bias_correction)
+  s = adam_scalars(jnp.int32(count), lr, b1, b2, eps, wd, bias_correction)
   f32 = lambda x: jnp.asarray(x, jnp.float32)
-  u, m_new, v_new = reference.adam_leaf_update(
-      f32(g), f32(m), f32(v), f32(p), s, adamw_mode=adamw_mode, decay=decay, update_dtype=jnp.float32)
+  u, (m_new, v_new) = reference.leaf_update(
+      kernels.step_of(AdamW(adamw_mode=adamw_mode)), f32(g), (f32(m), f32(v)), f32(p), s, decay=decay,
+      update_dtype=jnp.float32)
   # Float64, step t = count + 1, written out from the rule.
   t = count + 1
   g64 = g + wd * p if (decay and not adamw_mode) else g
@@ -75,9 +77,9 @@ def test_leaf_update_against_float64(adamw_mode, bias_correction, decay):
 
 
 def test_negative_learning_rate_gives_the_raw_direction():
-  s = reference.step_scalars(jnp.int32(0), -1.0, 0.9, 0.999, 0.0, 0.0, True)
-  u, _, _ = reference.adam_leaf_update(jnp.array([3.0, -2.0]), jnp.zeros(2), jnp.zeros(2), None, s,
-                                       adamw_mode=True, decay=False, update_dtype=jnp.float32)
+  s = adam_scalars(jnp.int32(0), -1.0, 0.9, 0.999, 0.0, 0.0, True)
+  u, _ = reference.leaf_update(kernels.step_of(AdamW()), jnp.array([3.0, -2.0]), (jnp.zeros(2), jnp.zeros(2)), None,
+                               s, decay=False, update_dtype=jnp.float32)
   np.testing.assert_allclose(np.asarray(u), [1.0, -1.0], rtol=1e-6)
 
 
@@ -141,7 +143,7 @@ def test_one_custom_call_for_many_leaves_and_fallback_for_the_rest():
   p = [x + 1 for x in g]
   decays = [True] * len(g)
   dtypes = [jnp.result_type(a.dtype, b.dtype, c.dtype) for a, b, c in zip(g, m, v)]
-  s = reference.step_scalars(jnp.int32(0), 1e-2, 0.9, 0.999, 1e-8, 0.1, True)
+  s = adam_scalars(jnp.int32(0), 1e-2, 0.9, 0.999, 1e-8, 0.1, True)
   fn = lambda kernel: (lambda g, m, v, p: call_kernel(kernel, g, m, v, p, decays, dtypes, s, adamw_mode=True))
   lowered = jax.jit(fn(native_cpu.update_leaves)).lower(g, m, v, p).as_text()
   assert lowered.count(f"custom_call @{native_cpu.TARGET}(") == 1  # not one call per leaf

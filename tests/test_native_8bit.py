@@ -24,9 +24,10 @@ import numpy as np
 import pytest
 
 import optax_hybrid
-from optax_hybrid.kernels import LeafFacts, LeafOperands, Rule, native_cpu, quantized, reference
+from optax_hybrid.kernels import LeafFacts, LeafOperands, native_cpu, quantized, reference, step_of
+from optax_hybrid.rules.adamw import AdamW
 from numpy_reference import adamw_step_8bit, dequantize_blockwise, dynamic_tree_map
-from stepping import call_kernel
+from stepping import adam_scalars, call_kernel
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 needs_native = pytest.mark.skipif(not native_cpu.available(), reason=f"native kernel: {native_cpu.why_unavailable()}")
@@ -63,7 +64,7 @@ def random_leaves(shapes, dtype, seed, zero_blocks=0.0):
 def scalars(step_ok=None, **kw):
   kw = dict(dict(learning_rate=LR, b1=B1, b2=B2, eps=EPS, weight_decay=WD, bias_correction=True), **kw)
   ok = None if step_ok is None else jnp.asarray(step_ok)
-  return reference.step_scalars(jnp.int32(COUNT), kw["learning_rate"], kw["b1"], kw["b2"], kw["eps"],
+  return adam_scalars(jnp.int32(COUNT), kw["learning_rate"], kw["b1"], kw["b2"], kw["eps"],
                                 kw["weight_decay"], kw["bias_correction"], ok)
 
 
@@ -165,14 +166,15 @@ def ulps(dtype):
 @needs_native
 def test_native_takes_quantized_leaves():
   g, m, v, p = random_leaves([(4, 300)], jnp.bfloat16, seed=0)
-  leaf = LeafOperands(g[0], m[0], v[0], p[0])
-  assert native_cpu.supports(leaf, LeafFacts(True, jnp.float32), Rule(True, False))
-  assert native_cpu.supports(leaf, LeafFacts(True, jnp.bfloat16), Rule(True, True))
+  leaf = LeafOperands(g[0], (m[0], v[0]), p[0])
+  update, fused = step_of(AdamW(), write_params=False), step_of(AdamW(), write_params=True)
+  assert native_cpu.supports(leaf, LeafFacts(True, jnp.float32), update)
+  assert native_cpu.supports(leaf, LeafFacts(True, jnp.bfloat16), fused)
   # The update of a bf16 leaf with 8-bit moments is float32 (the moments' values are).
-  assert not native_cpu.supports(leaf, LeafFacts(True, jnp.bfloat16), Rule(True, False))
+  assert not native_cpu.supports(leaf, LeafFacts(True, jnp.bfloat16), update)
   # One moment quantized and the other not: the reference rule takes it.
-  mixed = leaf._replace(nu=jnp.zeros((4, 300), jnp.float32))
-  assert not native_cpu.supports(mixed, LeafFacts(True, jnp.float32), Rule(True, False))
+  mixed = leaf._replace(state=(m[0], jnp.zeros((4, 300), jnp.float32)))
+  assert not native_cpu.supports(mixed, LeafFacts(True, jnp.float32), update)
   s = scalars()
   lowered = jax.jit(lambda g, m, v, p: call_kernel(native_cpu.update_leaves, g, m, v, p, [True], [jnp.float32], s,
                                                    adamw_mode=True)).lower(g, m, v, p).as_text()

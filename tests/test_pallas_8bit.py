@@ -1,6 +1,6 @@
 """The Pallas kernel with 8-bit block-wise moments, in interpret mode: against the float64 model and the reference rule.
 
-The kernel's body is :func:`reference.adam_leaf_update` applied to tiles of
+The kernel's body is :func:`reference.leaf_update` applied to tiles of
 whole 256-value blocks, one copy shared by a launch's 8-bit leaves, so these
 tests check what the kernel adds: the tiling (rows of one block, a partial last
 tile), the switch between leaves (their dtypes and decay), the scales' layout,
@@ -25,7 +25,7 @@ import optax_hybrid
 from optax_hybrid import kernels
 from optax_hybrid.kernels import pallas_gpu, quantized, reference
 from numpy_reference import QUANT_BLOCK, adamw_step_8bit, dequantize_blockwise, dynamic_tree_map, quantize_blockwise
-from stepping import call_kernel
+from stepping import adam_scalars, call_kernel
 
 EPS32 = 2.0**-23
 ULPS = 8  # "a few float32 ulps"
@@ -40,7 +40,7 @@ FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive
 
 def scalars(step_ok=None, bias_correction=True):
   ok = None if step_ok is None else jnp.asarray(step_ok)
-  return reference.step_scalars(jnp.int32(COUNT), LR, B1, B2, EPS, WD, bias_correction, ok)
+  return adam_scalars(jnp.int32(COUNT), LR, B1, B2, EPS, WD, bias_correction, ok)
 
 
 def random_8bit_leaf(shape, pdtype, seed, zero_block=False):
@@ -231,12 +231,13 @@ def test_a_launch_of_8bit_and_float_leaves_matches_the_model_and_the_reference_a
 def test_which_leaves_the_kernel_takes():
   leaf = random_8bit_leaf((QUANT_BLOCK,), jnp.float32, 3)
   fact = kernels.LeafFacts(True, jnp.float32)
-  assert pallas_gpu.supports(kernels.LeafOperands(*leaf), fact)
+  leaf_operands = lambda g, m, v, p: kernels.LeafOperands(g, (m, v), p)
+  assert pallas_gpu.supports(leaf_operands(*leaf), fact)
   # Rows ending in a shorter block go to the reference rule.
   partial = quantized.QuantizedMoment(*(jnp.asarray(x) for x in quantized.zeros((2, 300))))
-  assert not pallas_gpu.supports(kernels.LeafOperands(jnp.ones((2, 300)), partial, partial, jnp.ones((2, 300))), fact)
+  assert not pallas_gpu.supports(leaf_operands(jnp.ones((2, 300)), partial, partial, jnp.ones((2, 300))), fact)
   # One 8-bit moment and one float moment is not a format the kernel knows.
-  assert not pallas_gpu.supports(kernels.LeafOperands(leaf[0], leaf[1], jnp.zeros(QUANT_BLOCK), leaf[3]), fact)
+  assert not pallas_gpu.supports(leaf_operands(leaf[0], leaf[1], jnp.zeros(QUANT_BLOCK), leaf[3]), fact)
 
 
 def test_a_launch_holds_at_most_40_8bit_leaves():

@@ -4,7 +4,7 @@ Off the GPU the kernel runs in Pallas interpret mode, so these tests check the
 kernel's own indexing (offsets table, masks, aliases) on the CPU; the CUDA
 lowering tests check what a GPU would be given.
 
-The kernel's body is :func:`reference.adam_leaf_update` itself, so comparing the
+The kernel's body is :func:`reference.leaf_update` itself, so comparing the
 kernel with the reference compares the rule with itself: those tests are
 indexing tests (which element of which leaf each program reads and writes,
 dtypes, masks) and are named so. The arithmetic is tested against the float64
@@ -22,7 +22,7 @@ import pytest
 import optax_hybrid
 from optax_hybrid import kernels, placement
 from optax_hybrid.kernels import pallas_gpu, reference
-from stepping import call_kernel, kernel_and_reference, run_with_injected_hyperparams
+from stepping import adam_scalars, call_kernel, kernel_and_reference, run_with_injected_hyperparams
 
 B = pallas_gpu.BLOCK_SIZE
 # A scalar, a single element, odd sizes, an empty leaf, and leaves spanning
@@ -76,7 +76,7 @@ def test_leaves_the_kernel_does_not_take_use_the_reference_in_the_same_step():
   m = [jnp.zeros_like(x) for x in g]
   v = [jnp.zeros(x.shape, jnp.finfo(x.dtype).dtype) for x in g]
   p = [x + 1 for x in g]
-  s = reference.step_scalars(jnp.int32(0), 1e-2, 0.9, 0.999, 1e-8, 0.1, True)
+  s = adam_scalars(jnp.int32(0), 1e-2, 0.9, 0.999, 1e-8, 0.1, True)
   args = ([True] * 3, [x.dtype for x in g], s)
   fn = lambda k: jax.jit(lambda g, m, v, p: call_kernel(k, g, m, v, p, *args, adamw_mode=True, write_params=True))
   with kernels.lowering_for("cuda"):
@@ -88,7 +88,7 @@ def test_leaves_the_kernel_does_not_take_use_the_reference_in_the_same_step():
 
 
 def test_block_size_must_be_a_power_of_two():
-  s = reference.step_scalars(jnp.int32(0), 1e-2, 0.9, 0.999, 1e-8, 0.0, True)
+  s = adam_scalars(jnp.int32(0), 1e-2, 0.9, 0.999, 1e-8, 0.0, True)
   with pytest.raises(ValueError, match="`block_size` must be a positive power of two"):
     call_kernel(pallas_gpu.update_leaves, [jnp.ones(3)], [jnp.zeros(3)], [jnp.zeros(3)], [None], [False], [jnp.float32], s,
                              adamw_mode=True, block_size=1000)

@@ -78,7 +78,7 @@ def test_state_only_donation_with_explicit_shardings():
   # Without out_shardings, jit pairs donated buffers with outputs by shape
   # only; a host buffer could then be matched with a device output.
   params, grads = make_params(), make_grads(2)
-  tx = optax_hybrid.hybrid_adamw(1e-2, state_memory_kind="pinned_host")
+  tx = optax_hybrid.hybrid_adamw(1e-2, weight_decay=0.0, state_memory_kind="pinned_host")
   state = tx.init(params)
   shardings = jax.tree.map(lambda x: x.sharding, state)
   param_shardings = jax.tree.map(lambda x: x.sharding, params)
@@ -103,12 +103,12 @@ def test_eager_update_with_host_moments():
 def test_callable_memory_kind_per_leaf():
   params, grads = make_params(), make_grads(3)
   choose = lambda path, p: "pinned_host" if np.size(p) > 100 else None
-  tx = optax_hybrid.hybrid_adamw(1e-2, state_memory_kind=choose)
+  tx = optax_hybrid.hybrid_adamw(1e-2, weight_decay=0.0, state_memory_kind=choose)
   p_mixed, s_mixed, _ = train(tx, params, grads)
   assert kinds(s_mixed.mu) == {"w": "pinned_host", "b": "device", "s": "device"}
-  p_dev, _, _ = train(optax_hybrid.hybrid_adamw(1e-2), params, grads)
+  p_dev, _, _ = train(optax_hybrid.hybrid_adamw(1e-2, weight_decay=0.0), params, grads)
   chex.assert_trees_all_close(p_mixed, p_dev, rtol=1e-6)
-  bad = optax_hybrid.hybrid_adamw(1e-2, state_memory_kind=lambda path, p: "vram")
+  bad = optax_hybrid.hybrid_adamw(1e-2, weight_decay=0.0, state_memory_kind=lambda path, p: "vram")
   with pytest.raises(ValueError, match=r"state_memory_kind\(\['b'\]\)"):
     bad.init(params)
 
@@ -186,7 +186,7 @@ def test_missing_memory_kind_lists_what_the_backend_has():
 
 def test_abstract_init_describes_host_placement():
   params = make_params()
-  tx = optax_hybrid.hybrid_adamw(1e-3, state_memory_kind="pinned_host")
+  tx = optax_hybrid.hybrid_adamw(1e-3, weight_decay=0.0, state_memory_kind="pinned_host")
   shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), params)
   abstract = tx.init(shapes)
   assert {s.sharding.memory_kind for s in jax.tree.leaves(abstract.mu)} == {"pinned_host"}

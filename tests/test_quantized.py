@@ -235,7 +235,7 @@ def test_small_leaves_keep_float32_moments_exactly_as_float32_format():
   params = _params()
   grads = _grads(params, 2)
   run = lambda fmt: jax.tree.map(np.asarray, jax.device_get(
-      _run(optax_hybrid.hybrid_adamw(1e-2, moment_format=fmt), params, grads)))
+      _run(optax_hybrid.hybrid_adamw(1e-2, weight_decay=0.0, moment_format=fmt), params, grads)))
   p8, s8 = run("8bit")
   p32, s32 = run("float32")
   np.testing.assert_array_equal(p8["b"], p32["b"])
@@ -253,7 +253,7 @@ def _run(tx, params, grads):
 
 def test_skip_nonfinite_keeps_codes_and_scales_bit_exactly():
   params = _params()
-  tx = optax_hybrid.hybrid_adamw(1e-2, moment_format="8bit", skip_nonfinite=True, kernel="xla")
+  tx = optax_hybrid.hybrid_adamw(1e-2, weight_decay=0.0, moment_format="8bit", skip_nonfinite=True, kernel="xla")
   g = _grads(params, 2)
   params, state = _run(tx, params, g[:1])
   bad = dict(g[1], w=g[1]["w"].at[0, 0].set(jnp.nan))
@@ -266,7 +266,7 @@ def test_skip_nonfinite_keeps_codes_and_scales_bit_exactly():
 
 def test_moment_values_are_the_dequantized_moments_shaped_like_the_params():
   params = _params()
-  tx = optax_hybrid.hybrid_adamw(1e-2, moment_format="8bit")
+  tx = optax_hybrid.hybrid_adamw(1e-2, weight_decay=0.0, moment_format="8bit")
   _, state = _run(tx, params, _grads(params, 2))
   mu, nu = optax_hybrid.moment_values(optax.chain(optax.identity()).init(params) + (state,))
   assert jax.tree.structure(mu) == jax.tree.structure(params)
@@ -288,9 +288,9 @@ def test_memory_report_shows_two_bytes_per_weight_of_moments():
             for k, s in shapes.items()}
   n = sum(int(np.prod(s)) for s in shapes.values())
   report8 = optax_hybrid.memory_report(params, optax_hybrid.hybrid_adamw(
-      1e-3, moment_format="8bit", master_dtype=jnp.float32).init(params))
+      1e-3, weight_decay=0.0, moment_format="8bit", master_dtype=jnp.float32).init(params))
   report32 = optax_hybrid.memory_report(params, optax_hybrid.hybrid_adamw(
-      1e-3, moment_format="float32", master_dtype=jnp.float32).init(params))
+      1e-3, weight_decay=0.0, moment_format="float32", master_dtype=jnp.float32).init(params))
   # Independent count: 2 code bytes + 2 x 4 scale bytes per 256-value block along the last axis.
   # "ln" has 9216 values (>= 4096), so it is quantized too: 12 rows of 3 blocks.
   blocks = sum(int(np.prod(s[:-1])) * -(-s[-1] // 256) for s in shapes.values())
@@ -304,11 +304,11 @@ def test_memory_report_shows_two_bytes_per_weight_of_moments():
 
 def test_checkpoint_round_trips_codes_and_scales_bit_exactly_into_another_tier(tmp_path):
   params = _params()
-  tx = optax_hybrid.hybrid_adamw(1e-2, moment_format="8bit", tiers="device")
+  tx = optax_hybrid.hybrid_adamw(1e-2, weight_decay=0.0, moment_format="8bit", tiers="device")
   _, state = _run(tx, params, _grads(params, 2))
   manager = optax_hybrid.checkpoint.manager(tmp_path / "c")
   optax_hybrid.checkpoint.save(manager, 2, state, wait=True)
-  other = optax_hybrid.hybrid_adamw(1e-2, moment_format="8bit", tiers="host_state")
+  other = optax_hybrid.hybrid_adamw(1e-2, weight_decay=0.0, moment_format="8bit", tiers="host_state")
   restored = optax_hybrid.checkpoint.restore(manager, like=other.init(optax_hybrid.checkpoint.abstract_like(params)))
   for field in ("mu", "nu", "mu_scales", "nu_scales"):
     chex.assert_trees_all_equal(jax.device_get(getattr(restored, field)), jax.device_get(getattr(state, field)))
@@ -328,7 +328,7 @@ def test_the_xla_rule_has_no_full_size_float32_temporary_of_the_moments():
   # (docs/benchmarks.md).
   n = 4096 * 2048
   params = {"w": jax.ShapeDtypeStruct((4096, 2048), jnp.float32)}
-  tx = optax_hybrid.hybrid_adamw(1e-3, moment_format="8bit", kernel="xla")
+  tx = optax_hybrid.hybrid_adamw(1e-3, weight_decay=0.0, moment_format="8bit", kernel="xla")
   state = tx.init(params)
   compiled = jax.jit(tx.step, donate_argnums=(0, 1)).lower(params, state, params).compile()
   temp = compiled.memory_analysis().temp_size_in_bytes

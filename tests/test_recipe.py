@@ -19,7 +19,7 @@ from optax_hybrid.recipe import (
     path_name,
     standard_optimizer,
 )
-from optax_hybrid.transform import HybridAdamState
+from optax_hybrid import HybridAdamState
 
 SHAPES = {
     "body": {"kernel": (6, 5), "bias": (5,)},

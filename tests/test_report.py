@@ -41,7 +41,7 @@ def thousand_f32():
 
 def test_moments_in_device_memory():
   params = thousand_f32()
-  report = memory_report(params, optax_hybrid.hybrid_adamw(1e-3).init(params))
+  report = memory_report(params, optax_hybrid.hybrid_adamw(1e-3, weight_decay=0.0).init(params))
   # 1000 f32 weights: 4000 param + 4000 grad + 8000 moments; count and skipped 4 each.
   assert report.by_tier == {"device": split(16000, 0),
                             "host_state": split(0, 0),
@@ -60,7 +60,7 @@ def test_moments_in_device_memory():
 
 def test_moments_in_host_memory():
   params = thousand_f32()
-  tx = optax_hybrid.hybrid_adamw(1e-3, state_memory_kind="pinned_host")
+  tx = optax_hybrid.hybrid_adamw(1e-3, weight_decay=0.0, state_memory_kind="pinned_host")
   report = memory_report(params, tx.init(params))
   assert report.by_tier["host_state"] == split(8000, 8000)
   assert report.by_tier["device"] == split(0, 0)
@@ -80,7 +80,7 @@ def test_moments_in_host_memory():
 
 def test_bf16_params_with_f32_moments_on_host_is_the_2_to_serve_figure():
   params = on_device({"w": jnp.ones((1000,), jnp.bfloat16)})
-  tx = optax_hybrid.hybrid_adamw(1e-3, mu_dtype=jnp.float32, nu_dtype=jnp.float32,
+  tx = optax_hybrid.hybrid_adamw(1e-3, weight_decay=0.0, mu_dtype=jnp.float32, nu_dtype=jnp.float32,
                                  state_memory_kind="pinned_host")
   report = memory_report(params, tx.init(params))
   # 2 bytes param + 2 bytes grad on the device, 4 + 4 of moments on the host.
@@ -93,7 +93,7 @@ def test_bf16_params_with_f32_moments_on_host_is_the_2_to_serve_figure():
 def test_callable_places_only_large_leaves_on_host():
   params = on_device({"big": jnp.ones((50, 40), jnp.float32), "small": jnp.ones((30,), jnp.bfloat16)})
   tx = optax_hybrid.hybrid_adamw(
-      1e-3, state_memory_kind=lambda path, p: "pinned_host" if p.size > 100 else None)
+      1e-3, weight_decay=0.0, state_memory_kind=lambda path, p: "pinned_host" if p.size > 100 else None)
   report = memory_report(params, tx.init(params))
   # big: 2000 f32 -> 8000 + 8000 on device, 16000 of moments on host.
   # small: 30 bf16 -> 60 + 60 param and grad, 60 + 60 moments, all on device.
@@ -108,7 +108,7 @@ def test_callable_places_only_large_leaves_on_host():
 
 def test_host_params():
   params = on_host({"w": jnp.ones((1000,), jnp.float32)})
-  report = memory_report(params, optax_hybrid.hybrid_adamw(1e-3).init(params))
+  report = memory_report(params, optax_hybrid.hybrid_adamw(1e-3, weight_decay=0.0).init(params))
   # Moments beside the params (state_memory_kind=None); the count stays on the device.
   assert report.by_tier["host"] == split(0, 16000)
   assert report.by_tier["other_state"] == split(8, 0)
@@ -120,7 +120,7 @@ def test_host_params():
                     reason="hybrid_adamw has no master weights or tiers here")
 def test_master_weights_and_planned_tiers():
   params = on_device({"w": jnp.ones((1000,), jnp.bfloat16), "b": jnp.ones((10,), jnp.bfloat16)})
-  tx = optax_hybrid.hybrid_adamw(1e-3, mu_dtype=jnp.float32, nu_dtype=jnp.float32, master_dtype=jnp.float32,
+  tx = optax_hybrid.hybrid_adamw(1e-3, weight_decay=0.0, mu_dtype=jnp.float32, nu_dtype=jnp.float32, master_dtype=jnp.float32,
                                  tiers=lambda path, p: "host" if p.size >= 1000 else None)
   report = memory_report(params, tx.init(params))
   # ZeRO-Offload's split for "w": bf16 param and grad on the device (2 + 2 bytes
@@ -138,7 +138,7 @@ def test_master_weights_and_planned_tiers():
                     reason="hybrid_adamw has no disk tier here")
 def test_disk_tier_moments_count_as_disk(tmp_path):
   params = on_device({"w": jnp.ones((1000,), jnp.float32), "b": jnp.ones((10,), jnp.float32)})
-  tx = optax_hybrid.hybrid_adamw(1e-3, tiers=lambda path, p: "disk" if p.size >= 1000 else None,
+  tx = optax_hybrid.hybrid_adamw(1e-3, weight_decay=0.0, tiers=lambda path, p: "disk" if p.size >= 1000 else None,
                                  nvme_offload_dir=str(tmp_path))
   try:
     report = memory_report(params, tx.init(params))
@@ -156,7 +156,7 @@ def test_disk_tier_moments_count_as_disk(tmp_path):
 
 def test_chain_and_multisteps():
   params = thousand_f32()
-  hybrid = optax_hybrid.hybrid_adamw(1e-3, state_memory_kind="pinned_host")
+  hybrid = optax_hybrid.hybrid_adamw(1e-3, weight_decay=0.0, state_memory_kind="pinned_host")
   chained = memory_report(params, optax.chain(optax.clip_by_global_norm(1.0), hybrid).init(params))
   assert chained.by_tier["host_state"] == split(8000, 8000)
   assert chained.by_tier["other_state"] == split(8, 0)
@@ -171,7 +171,7 @@ def test_chain_and_multisteps():
 def test_frozen_params_in_multi_transform_have_no_state():
   params = on_device({"train": jnp.ones((100,), jnp.float32), "frozen": jnp.ones((50,), jnp.float32)})
   tx = optax.multi_transform(
-      {"t": optax_hybrid.hybrid_adamw(1e-3, state_memory_kind="pinned_host"), "f": optax.set_to_zero()},
+      {"t": optax_hybrid.hybrid_adamw(1e-3, weight_decay=0.0, state_memory_kind="pinned_host"), "f": optax.set_to_zero()},
       {"train": "t", "frozen": "f"})
   report = memory_report(params, tx.init(params))
   assert report.num_leaves_without_state == 1
@@ -201,7 +201,7 @@ def test_nnx_optimizer_state():
       self.norm = nnx.LayerNorm(4, rngs=rngs)
 
   model = Model(nnx.Rngs(0))
-  optimizer = nnx.Optimizer(model, optax_hybrid.hybrid_adamw(1e-3, state_memory_kind="pinned_host"),
+  optimizer = nnx.Optimizer(model, optax_hybrid.hybrid_adamw(1e-3, weight_decay=0.0, state_memory_kind="pinned_host"),
                             wrt=nnx.Param)
   report = memory_report(nnx.state(model, nnx.Param), optimizer.opt_state)
   # kernel 12 + bias 4 + scale 4 + bias 4 = 24 f32 weights.
@@ -212,7 +212,7 @@ def test_nnx_optimizer_state():
 
 def test_abstract_params_plan_the_same_bytes():
   params = thousand_f32()
-  tx = optax_hybrid.hybrid_adamw(1e-3, state_memory_kind="pinned_host")
+  tx = optax_hybrid.hybrid_adamw(1e-3, weight_decay=0.0, state_memory_kind="pinned_host")
   concrete = memory_report(params, tx.init(params))
   abstract_params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), params)
   assert memory_report(abstract_params, tx.init(abstract_params)) == concrete
@@ -220,7 +220,7 @@ def test_abstract_params_plan_the_same_bytes():
 
 def test_table():
   params = thousand_f32()
-  text = str(memory_report(params, optax_hybrid.hybrid_adamw(1e-3, state_memory_kind="pinned_host").init(params)))
+  text = str(memory_report(params, optax_hybrid.hybrid_adamw(1e-3, weight_decay=0.0, state_memory_kind="pinned_host").init(params)))
   lines = text.splitlines()
   assert lines[0] == "Training memory: 1,000 weights in 1 param leaf (0 without optimizer state)"
   rows = {line.split("  ")[1].strip(): line for line in lines if line.startswith("  ") and line.strip()}
@@ -237,7 +237,7 @@ def test_table():
 
 def test_tracers_are_rejected():
   params = thousand_f32()
-  state = optax_hybrid.hybrid_adamw(1e-3).init(params)
+  state = optax_hybrid.hybrid_adamw(1e-3, weight_decay=0.0).init(params)
   with pytest.raises(TypeError, match="traced value; call memory_report outside jit"):
     jax.jit(lambda p, s: memory_report(p, s).device_bytes)(params, state)
 
@@ -249,7 +249,7 @@ def test_numpy_params_are_rejected():
 
 def test_state_of_other_params_is_rejected():
   params = thousand_f32()
-  state = optax_hybrid.hybrid_adamw(1e-3).init(params)
+  state = optax_hybrid.hybrid_adamw(1e-3, weight_decay=0.0).init(params)
   with pytest.raises(ValueError, match=r"\.mu leaf 'w' matches no params leaf"):
     memory_report(on_device({"v": jnp.ones((1000,))}), state)
   with pytest.raises(ValueError, match=r"has shape \(1000,\) but its param has shape \(10,\)"):
@@ -258,7 +258,7 @@ def test_state_of_other_params_is_rejected():
 
 def test_report_is_a_frozen_dataclass():
   params = thousand_f32()
-  report = memory_report(params, optax_hybrid.hybrid_adamw(1e-3).init(params))
+  report = memory_report(params, optax_hybrid.hybrid_adamw(1e-3, weight_decay=0.0).init(params))
   assert isinstance(report, MemoryReport)
   with pytest.raises(AttributeError):
     report.device_bytes = 0
@@ -273,7 +273,7 @@ SHARDED = textwrap.dedent("""
     mesh = jax.make_mesh((4,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
     params = {"w": jax.device_put(jnp.ones((8, 100)), NamedSharding(mesh, P("data"))),
               "b": jax.device_put(jnp.ones((100,)), NamedSharding(mesh, P()))}
-    tx = optax_hybrid.hybrid_adamw(1e-3, state_memory_kind=lambda path, p: "pinned_host" if p.ndim == 2 else None)
+    tx = optax_hybrid.hybrid_adamw(1e-3, weight_decay=0.0, state_memory_kind=lambda path, p: "pinned_host" if p.ndim == 2 else None)
     r = memory_report(params, tx.init(params))
     print(r.device_bytes, r.host_bytes, sorted(r.device_bytes_per_device.items()))
 """)

@@ -88,7 +88,7 @@ def test_total_steps_beyond_int64_are_refused_when_built():
 
 def test_first_update_of_hybrid_adamw_uses_peak_over_warmup():
   sched = optax_hybrid.warmup_cosine_schedule(0.5, total_steps=20, warmup_steps=5)
-  tx = optax_hybrid.hybrid_adamw(sched, bias_correction=False, eps=0.0)
+  tx = optax_hybrid.hybrid_adamw(sched, weight_decay=0.0, bias_correction=False, eps=0.0)
   params = {"w": jnp.zeros(3)}
   state = tx.init(params)
   # Without bias correction and eps, the first step is -lr * g / |g| = -lr * sign(g).

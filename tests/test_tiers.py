@@ -48,14 +48,14 @@ def test_tier_specs_string_callable_and_prefix():
 
 def test_bad_tier_arguments_are_named():
   with pytest.raises(ValueError, match="`tiers`='gpu' is not a tier"):
-    optax_hybrid.hybrid_adamw(1e-3, tiers="gpu")
+    optax_hybrid.hybrid_adamw(1e-3, weight_decay=0.0, tiers="gpu")
   with pytest.raises(ValueError, match="either `tiers` or `state_memory_kind`"):
-    optax_hybrid.hybrid_adamw(1e-3, tiers="host", state_memory_kind="pinned_host")
+    optax_hybrid.hybrid_adamw(1e-3, weight_decay=0.0, tiers="host", state_memory_kind="pinned_host")
   with pytest.raises(ValueError, match=r"`offload_fraction` must be a number in \[0, 1\]"):
-    optax_hybrid.hybrid_adamw(1e-3, offload_fraction=1.5)
+    optax_hybrid.hybrid_adamw(1e-3, weight_decay=0.0, offload_fraction=1.5)
   with pytest.raises(ValueError, match="`master_dtype` must be a real floating dtype"):
-    optax_hybrid.hybrid_adamw(1e-3, master_dtype=jnp.int32)
-  tx = optax_hybrid.hybrid_adamw(1e-3, tiers=lambda path, p: "nvme")
+    optax_hybrid.hybrid_adamw(1e-3, weight_decay=0.0, master_dtype=jnp.int32)
+  tx = optax_hybrid.hybrid_adamw(1e-3, weight_decay=0.0, tiers=lambda path, p: "nvme")
   with pytest.raises(ValueError, match=r"`tiers\(\['w'\]\)`='nvme' is not a tier"):
     tx.init({"w": jnp.ones(3)})
 
@@ -181,7 +181,7 @@ def test_bf16_with_a_master_converges_where_plain_bf16_stalls(tier):
   finals = {}
   for name, dtype, master in (("fp32", jnp.float32, None), ("bf16", jnp.bfloat16, None),
                               ("bf16+master", jnp.bfloat16, jnp.float32)):
-    tx = optax_hybrid.hybrid_adamw(lr, mu_dtype=jnp.float32, nu_dtype=jnp.float32, master_dtype=master,
+    tx = optax_hybrid.hybrid_adamw(lr, weight_decay=0.0, mu_dtype=jnp.float32, nu_dtype=jnp.float32, master_dtype=master,
                                    tiers=tier)
     w = jax.device_put({"w": jnp.ones((4,), dtype)}, jax.devices()[0])
     state = tx.init(w)
@@ -223,7 +223,7 @@ def test_master_update_lands_exactly_on_the_fused_step(memory_kind):
 
 def test_master_weights_only_for_lower_precision_leaves_and_need_params_for_update():
   params = {"w": jnp.ones(3, jnp.bfloat16), "b": jnp.ones(3, jnp.float32)}
-  tx = optax_hybrid.hybrid_adamw(1e-3, master_dtype=jnp.float32)
+  tx = optax_hybrid.hybrid_adamw(1e-3, weight_decay=0.0, master_dtype=jnp.float32)
   state = tx.init(params)
   assert state.master["w"].dtype == jnp.float32
   # "b" keeps no master: an empty entry (one array per param leaf, no bytes).
@@ -237,7 +237,7 @@ def test_master_weights_only_for_lower_precision_leaves_and_need_params_for_upda
 def test_tiers_and_master_survive_a_checkpoint(tmp_path):
   pytest.importorskip("orbax.checkpoint")
   params = make_params(jnp.bfloat16)
-  tx = optax_hybrid.hybrid_adamw(1e-3, tiers={"emb": "host", "w1": "host_state", "b1": "device", "w2": "host",
+  tx = optax_hybrid.hybrid_adamw(1e-3, weight_decay=0.0, tiers={"emb": "host", "w1": "host_state", "b1": "device", "w2": "host",
                                               "s": "device"}, master_dtype=jnp.float32)
   params, state = run(tx, params, grads_like(params, 2))
   manager = optax_hybrid.checkpoint.manager(tmp_path / "ckpt")
@@ -301,10 +301,10 @@ def test_master_needed_only_for_lower_precision_floats_and_only_with_a_master_dt
 
 def test_the_plan_is_immutable_hashable_static_data():
   import dataclasses
-  state = optax_hybrid.hybrid_adamw(1e-3, offload_fraction=0.5).init(make_params())
+  state = optax_hybrid.hybrid_adamw(1e-3, weight_decay=0.0, offload_fraction=0.5).init(make_params())
   plan = state.plan
   copy = optax_hybrid.plan.Plan(tuple(dataclasses.replace(leaf) for leaf in plan.leaves), plan.kernel, plan.split,
-                                plan.mesh)
+                                plan.mesh, plan.fields, plan.owner, plan.static_zeros)
   assert hash(plan) == hash(copy) and plan == copy and plan is not copy
   with pytest.raises(dataclasses.FrozenInstanceError):
     plan.leaves = ()

@@ -95,6 +95,59 @@ def test_parity_with_optax_adamw(weight_decay, mask):
   chex.assert_trees_all_close(s_ours.nu, s_theirs[0].nu, rtol=1e-5, atol=1e-12)
 
 
+def test_signature_is_optax_adamws_then_keyword_only_options():
+  import inspect
+  ours = list(inspect.signature(optax_hybrid.hybrid_adamw).parameters.values())
+  theirs = list(inspect.signature(optax.adamw).parameters.values())
+  positional = [p for p in ours if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD]
+  assert [(p.name, p.default) for p in positional] == [(p.name, p.default) for p in theirs
+                                                      if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD]
+  keyword_only = {p.name: p.default for p in ours if p.kind is inspect.Parameter.KEYWORD_ONLY}
+  assert keyword_only["nesterov"] is False and list(keyword_only)[0] == "nesterov"
+  # Every option of ours is keyword-only, with its default.
+  assert {"state_memory_kind", "tiers", "kernel", "moment_format", "master_dtype", "skip_nonfinite"} <= set(keyword_only)
+  assert keyword_only["kernel"] == "auto" and keyword_only["tiers"] is None
+
+
+@pytest.mark.parametrize("args,kwargs", [
+    ((), {}),  # the defaults, weight_decay=1e-4 included
+    ((0.8, 0.95, 1e-7, 1e-6, None, 0.05, {"w": True, "b": False, "s": True}), {}),  # every positional argument
+    ((0.8, 0.95), dict(eps_root=1e-6, weight_decay=0.0, nesterov=True)),  # NAdamW, by keyword
+    ((), dict(mu_dtype=jnp.bfloat16, nesterov=True, mask=lambda p: {"w": True, "b": False, "s": True})),
+])
+def test_same_calls_give_the_same_numbers_as_optax_adamw(args, kwargs):
+  params, grads = make_params(), make_grads(12)
+  ours, s_ours = run(optax_hybrid.hybrid_adamw(schedule(), *args, **kwargs), params, grads)
+  theirs, s_theirs = run(optax.adamw(schedule(), *args, **kwargs), params, grads)
+  # bf16 first moments: a float32 sum one ulp apart can round to the next bf16 (2**-8 relative): up to
+  # lr / (1 - b1) * 2**-8 = 1e-4 per early step (measured 1e-4 after 12); float32 ones agree to rounding.
+  bf16 = kwargs.get("mu_dtype") is not None
+  for a, b in zip(ours, theirs):
+    chex.assert_trees_all_close(a, b, rtol=2e-5, atol=5e-4 if bf16 else 1e-7)
+  assert jax.tree.map(lambda x: x.dtype, s_ours.mu) == jax.tree.map(lambda x: x.dtype, s_theirs[0].mu)
+  if not bf16:  # (bf16 moments themselves drift apart by whole ulps of their largest values)
+    chex.assert_trees_all_close(s_ours.mu, s_theirs[0].mu, rtol=1e-5, atol=1e-9)
+
+
+@pytest.mark.parametrize("kernel", ["native", "pallas"])
+def test_kernels_hand_eps_root_and_nesterov_leaves_to_the_reference(kernel):
+  from optax_hybrid.kernels import native_cpu
+  if kernel == "native" and not native_cpu.available():
+    pytest.skip("native kernel not built")
+  params, grads = make_params(), make_grads(6)
+  kw = dict(eps_root=1e-6, nesterov=True, weight_decay=0.1)
+  ours = optax_hybrid.hybrid_adamw(1e-2, kernel=kernel, **kw)
+  p, s = params, ours.init(params)
+  step = jax.jit(ours.step)
+  for g in grads:
+    p, s = step(p, s, g)
+  want, _ = run(optax.adamw(1e-2, **kw), params, grads)
+  chex.assert_trees_all_close(p, want[-1], rtol=2e-5, atol=1e-7)
+  # The native kernel computes the plain rule only: this step holds no call to it.
+  text = step.lower(params, ours.init(params), grads[0]).as_text()
+  assert native_cpu.TARGET not in text
+
+
 class VariantsTest(chex.TestCase):
 
   @chex.variants(with_jit=True, without_jit=True)
@@ -205,19 +258,19 @@ def test_bf16_params_with_fp32_moments():
 def test_default_moment_dtype_follows_params_and_updates_promote():
   params = make_params(dtype=jnp.bfloat16)
   grads = {k: jnp.ones(s, jnp.bfloat16) for k, s in SHAPES.items()}
-  tx = optax_hybrid.hybrid_adamw(1e-3)
+  tx = optax_hybrid.hybrid_adamw(1e-3, weight_decay=0.0)
   state = tx.init(params)
   assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(state.mu))
   updates, _ = tx.update(grads, state, params)
   assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(updates))
-  tx32 = optax_hybrid.hybrid_adamw(1e-3, mu_dtype=jnp.float32, nu_dtype=jnp.float32)
+  tx32 = optax_hybrid.hybrid_adamw(1e-3, weight_decay=0.0, mu_dtype=jnp.float32, nu_dtype=jnp.float32)
   updates32, _ = tx32.update(grads, tx32.init(params), params)
   assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(updates32))
 
 
 def test_state_is_a_namedtuple_with_tree_get_and_abstract_init():
   params = make_params()
-  tx = optax_hybrid.hybrid_adamw(1e-3, mu_dtype=jnp.bfloat16)
+  tx = optax_hybrid.hybrid_adamw(1e-3, weight_decay=0.0, mu_dtype=jnp.bfloat16)
   state = tx.init(params)
   assert isinstance(state, optax_hybrid.HybridAdamState)
   assert state.count.dtype == jnp.int32 and state.count.shape == ()
@@ -233,7 +286,7 @@ def test_state_is_a_namedtuple_with_tree_get_and_abstract_init():
 
 def test_update_without_params_when_no_decay():
   params, (g,) = make_params(), make_grads(1)
-  tx = optax_hybrid.hybrid_adamw(1e-2)
+  tx = optax_hybrid.hybrid_adamw(1e-2, weight_decay=0.0)
   with_p, _ = tx.update(g, tx.init(params), params)
   without_p, _ = tx.update(g, tx.init(params))
   chex.assert_trees_all_equal(with_p, without_p)
@@ -331,7 +384,7 @@ def test_nonfinite_steps_are_skipped_in_every_tier(tier):
 
 def test_nonfinite_grads_without_the_option_propagate():
   params, grads = make_params(), _poison(make_grads(1), 0, "b", np.nan)
-  tx = optax_hybrid.hybrid_adamw(1e-2)
+  tx = optax_hybrid.hybrid_adamw(1e-2, weight_decay=0.0)
   updates, state = tx.update(grads[0], tx.init(params), params)
   assert np.isnan(np.asarray(updates["b"])).any() and int(state.count) == 1
 

@@ -45,7 +45,7 @@ def specs_of(tx, state, **kw):
 @pytest.mark.parametrize("tier", TIERS)
 def test_specs_map_onto_every_params_shaped_field(tier, master, tmp_path):
   params = make_params()
-  tx = optax_hybrid.hybrid_adamw(1e-3, tiers=tier, nvme_offload_dir=tmp_path,
+  tx = optax_hybrid.hybrid_adamw(1e-3, weight_decay=0.0, tiers=tier, nvme_offload_dir=tmp_path,
                                  master_dtype=jnp.float32 if master else None)
   state = tx.init(params)
   expected = HybridAdamState(count=OTHER, mu=SPECS, nu=SPECS, skipped=OTHER, master=SPECS if master else None,
@@ -77,7 +77,7 @@ def test_specs_map_onto_the_scales_of_8bit_moments(tier, tmp_path):
   # "w" (64 x 512 = 32768 values) keeps 8-bit moments, "b" float32 ones (an empty scales entry).
   params = jax.device_put({"w": jnp.ones((64, 512)), "b": jnp.zeros(4)}, jax.devices()[0])
   specs = {"w": "spec-w", "b": "spec-b"}
-  tx = optax_hybrid.hybrid_adamw(1e-3, tiers=tier, nvme_offload_dir=tmp_path, moment_format="8bit")
+  tx = optax_hybrid.hybrid_adamw(1e-3, weight_decay=0.0, tiers=tier, nvme_offload_dir=tmp_path, moment_format="8bit")
   state = tx.init(params)
   got = optax.tree_utils.tree_map_params(tx, lambda _, spec: spec, state, specs, transform_non_params=lambda _: OTHER)
   assert got == HybridAdamState(count=OTHER, mu=specs, nu=specs, skipped=OTHER, master=None, mu_scales=specs,
@@ -93,18 +93,18 @@ def test_specs_map_onto_the_scales_of_8bit_moments(tier, tmp_path):
 
 def test_init_on_the_params_placeholder_marks_the_params_shaped_fields_and_cannot_step():
   placeholder = optax.tree_utils._state_utils._ParamsPlaceholder()
-  tx = optax_hybrid.hybrid_adamw(1e-3, master_dtype=jnp.float32)
+  tx = optax_hybrid.hybrid_adamw(1e-3, weight_decay=0.0, master_dtype=jnp.float32)
   state = tx.init(placeholder)
   assert state.mu is placeholder and state.nu is placeholder and state.master is placeholder
   assert "no plan" in repr(state.plan) and jax.tree.leaves(state.plan) == [state.plan]  # a leaf, not a Plan
-  assert optax_hybrid.hybrid_adamw(1e-3).init(placeholder).master is None
+  assert optax_hybrid.hybrid_adamw(1e-3, weight_decay=0.0).init(placeholder).master is None
   with pytest.raises(TypeError, match="the state has no placement plan"):
     tx.update({"w": jnp.ones(3)}, state, {"w": jnp.ones(3)})
 
 
 def test_abstract_state_from_eval_shape():
   params = make_params()
-  tx = optax_hybrid.hybrid_adamw(1e-3, master_dtype=jnp.float32, offload_fraction=0.5)
+  tx = optax_hybrid.hybrid_adamw(1e-3, weight_decay=0.0, master_dtype=jnp.float32, offload_fraction=0.5)
   abstract = jax.eval_shape(tx.init, params)
   assert specs_of(tx, abstract) == HybridAdamState(OTHER, SPECS, SPECS, OTHER, SPECS, plan=OTHER)
   # The abstract state describes the real one exactly (empty entries included).

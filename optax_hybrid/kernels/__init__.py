@@ -1,47 +1,48 @@
-"""Kernels that carry out the fused AdamW step over a list of leaves.
+"""Kernels that carry out the step of an update rule over a list of leaves.
 
 Every kernel follows one contract (:mod:`optax_hybrid.kernels.contract`:
-``update_leaves(leaves, facts, s, rule) -> results``) and is tested against
-:func:`reference.update_leaves`. ``"xla"`` is the reference rule itself, one fused XLA loop per leaf.
-``"native"`` is the compiled CPU kernel (:mod:`native_cpu`), one custom call
-for all CPU-resident leaves. ``"pallas"`` is the fused GPU kernel
-(:mod:`pallas_gpu`), one launch per 64 leaves, run in Pallas interpret mode off
-the GPU. ``"auto"`` picks the Pallas kernel on a GPU, and on a CPU the native
-kernel for the fused ``tx.step`` where it is built, chosen per platform at
-lowering (see :func:`kernels_for`).
+``update_leaves(leaves, facts, s, step) -> results``), declares the rules it
+implements (``implements(rule)``), and is tested against
+:func:`reference.update_leaves`, which runs any rule. ``"xla"`` is the
+reference itself, one fused XLA loop per leaf. ``"native"`` is the compiled
+CPU kernel (:mod:`native_cpu`; Adam), one custom call for all CPU-resident
+leaves. ``"pallas"`` is the fused GPU kernel (:mod:`pallas_gpu`; every rule:
+its body is the reference's leaf step), one launch per 64 leaves, run in
+Pallas interpret mode off the GPU. ``"auto"`` picks the Pallas kernel on a
+GPU, and on a CPU the native kernel for the fused ``tx.step`` where it is
+built, chosen per platform at lowering (see :func:`kernels_for`).
 
-The contract for any other kernel: it must honour every field of
-:class:`AdamScalars` (``step_ok`` included), and hand the leaves it cannot take
-(complex dtypes, for example) to :func:`reference.update_leaves` so that every
-leaf is always updated by the same rule (:func:`reference.with_reference_for_the_rest`
-does the split and the merge).
+The contract for any other kernel: it must honour every scalar of the rules it
+implements (``step_ok`` included), and hand the leaves it cannot take (another
+rule's, complex dtypes...) to :func:`reference.update_leaves` so that every
+leaf is always updated by the same rule
+(:func:`reference.with_reference_for_the_rest` does the split and the merge).
 """
 
 from __future__ import annotations
 
 import functools
-from typing import Callable
+from typing import Any, Callable
 
 import jax
 
 from optax_hybrid.kernels import contract, native_cpu, pallas_gpu, reference
-from optax_hybrid.kernels.contract import AdamScalars, LeafFacts, LeafOperands, LeafResult, Rule, lowering_for
-from optax_hybrid.kernels.reference import step_scalars
+from optax_hybrid.kernels.contract import LeafFacts, LeafOperands, LeafResult, Step, lowering_for, step_of
 
 KERNEL_NAMES = ("auto", "xla", "native", "pallas")
 
 Kernel = Callable[..., list]
 
 
-def check_kernel_name(kernel: str) -> str:
-  """Validates a ``kernel=`` argument without touching a backend.
+def check_kernel_name(kernel: str, owner: str = "optax_hybrid") -> str:
+  """Validates a ``kernel=`` argument without touching a backend (``owner`` names the function in messages).
 
   Raises:
     ValueError: for an unknown name.
   """
   if not isinstance(kernel, str) or kernel not in KERNEL_NAMES:
     raise ValueError(
-        f"hybrid_adamw: unknown `kernel`={kernel!r}; accepted values are "
+        f"{owner}: unknown `kernel`={kernel!r}; accepted values are "
         f"{', '.join(repr(k) for k in KERNEL_NAMES)}."
     )
   return kernel
@@ -55,7 +56,8 @@ def _native_or_reference(kernel: str) -> Kernel:
   return reference.update_leaves
 
 
-def kernels_for(kernel: str, *, fused: bool, runs_on: str = "device", split: str = "direct") -> dict[str, Kernel]:
+def kernels_for(kernel: str, *, fused: bool, runs_on: str = "device", split: str = "direct",
+                rule: Any = None) -> dict[str, Kernel]:
   """The kernel each platform runs, as ``{platform: kernel}`` for ``lax.platform_dependent``.
 
   The choice follows the platform the step is *lowered* for
@@ -80,12 +82,16 @@ def kernels_for(kernel: str, *, fused: bool, runs_on: str = "device", split: str
   program's host region is not something XLA:GPU compiles.
   A custom kernel is single-device code: with ``split="xla"`` (several
   devices, placement unknown) the reference runs instead; with
-  ``"shard_map"`` the caller runs it per shard.
+  ``"shard_map"`` the caller runs it per shard. Given the step's ``rule``, a
+  kernel that does not implement it is replaced by the reference.
 
   Raises:
     ValueError: for an unknown name.
   """
-  check_kernel_name(kernel)
+  if kernel not in KERNEL_NAMES:
+    check_kernel_name(kernel)
+  if kernel in ("native", "auto") and rule is not None and not native_cpu.implements(rule):
+    kernel, fused = ("xla", fused) if kernel == "native" else ("auto", False)  # "auto" without native: Pallas or XLA
   wants_native = kernel == "native" or (kernel == "auto" and fused)
   if runs_on == "host":
     if wants_native and split == "direct" and native_cpu.available():
@@ -102,5 +108,5 @@ def kernels_for(kernel: str, *, fused: bool, runs_on: str = "device", split: str
           "default": reference.update_leaves}
 
 
-__all__ = ["AdamScalars", "KERNEL_NAMES", "LeafFacts", "LeafOperands", "LeafResult", "Rule", "check_kernel_name",
-           "contract", "kernels_for", "lowering_for", "native_cpu", "pallas_gpu", "reference", "step_scalars"]
+__all__ = ["KERNEL_NAMES", "LeafFacts", "LeafOperands", "LeafResult", "Step", "check_kernel_name", "contract",
+           "kernels_for", "lowering_for", "native_cpu", "pallas_gpu", "reference", "step_of"]

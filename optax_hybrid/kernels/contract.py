@@ -1,16 +1,19 @@
 """What every kernel takes and returns, and what the custom kernels share.
 
-A kernel is a function ``update_leaves(leaves, facts, s, rule) -> results``:
+A kernel is a function ``update_leaves(leaves, facts, s, step) -> results``:
 
 * ``leaves``: one :class:`LeafOperands` per leaf (arrays; ``param`` is None
   when the step does not read it);
 * ``facts``: one :class:`LeafFacts` per leaf (static: known at trace time);
-* ``s``: the step's :class:`AdamScalars` (traced: a changing learning rate or
-  step count never recompiles);
-* ``rule``: the step-wide :class:`Rule` (static);
+* ``s``: the step's scalars, the rule's ``NamedTuple``
+  (:meth:`optax_hybrid.rules.UpdateRule.scalars`; traced: a changing learning
+  rate or step count never recompiles);
+* ``step``: the step-wide :class:`Step` (static): the rule and whether the
+  new params are written;
 
-and it returns one :class:`LeafResult` per leaf. ``kernels/reference.py`` is
-the rule once; the custom kernels hand it the leaves they cannot take
+and it returns one :class:`LeafResult` per leaf. A kernel declares the rules
+it implements; ``kernels/reference.py`` runs any rule, and the custom kernels
+hand it the leaves they cannot take
 (:func:`optax_hybrid.kernels.reference.with_reference_for_the_rest`).
 """
 
@@ -26,32 +29,16 @@ import numpy as np
 from optax_hybrid import _compat
 
 
-class AdamScalars(NamedTuple):
-  """The per-step scalars of one update, float32, computed once per step.
+class LeafOperands(NamedTuple):
+  """One leaf's arrays for a step: the gradient, the rule's state, and the param (or its master) if read.
 
-  ``learning_rate`` multiplies the whole step with a minus sign; the
-  ``scale_by_hybrid_adam`` building block passes ``-1`` to get the raw Adam
-  direction.
+  ``state`` holds one value per field of the rule (``(mu, nu)`` for Adam), each
+  an array in its storage dtype or an 8-bit
+  :class:`~optax_hybrid.kernels.quantized.QuantizedMoment`.
   """
 
-  learning_rate: jax.Array
-  b1: jax.Array
-  b2: jax.Array
-  eps: jax.Array
-  weight_decay: jax.Array
-  bias_correction1: jax.Array  # 1 - b1**t, or 1 without bias correction
-  bias_correction2_sqrt: jax.Array  # sqrt(1 - b2**t), or 1
-  # A bool scalar, or None: when False the step is skipped (zero update,
-  # moments unchanged). Selecting inside the step costs no extra pass.
-  step_ok: jax.Array | None = None
-
-
-class LeafOperands(NamedTuple):
-  """One leaf's arrays for a step: the gradient, both moments, and the param (or its master) if read."""
-
   grad: jax.Array
-  mu: jax.Array
-  nu: jax.Array
+  state: tuple
   param: jax.Array | None = None
 
 
@@ -61,7 +48,7 @@ class LeafFacts(NamedTuple):
   Attributes:
     decay: does the leaf take weight decay (the mask)?
     out_dtype: dtype of the first result: the update, or the new param when
-      ``Rule.write_params``.
+      ``Step.write_params``.
   """
 
   decay: bool
@@ -69,35 +56,42 @@ class LeafFacts(NamedTuple):
 
 
 class LeafResult(NamedTuple):
-  """One leaf's results: the update (or the new param), and the new moments in their storage dtypes."""
+  """One leaf's results: the update (or the new param), and the new state in its storage formats."""
 
   first: jax.Array
-  mu: jax.Array
-  nu: jax.Array
+  state: tuple
 
 
-class Rule(NamedTuple):
-  """Step-wide static choices.
+class Step(NamedTuple):
+  """Step-wide static choices. Make one with :func:`step_of`.
 
   Attributes:
-    adamw_mode: decoupled decay (True) or L2 decay through the gradient.
+    rule: the :class:`optax_hybrid.rules.UpdateRule` (its static flags; its
+      hyperparameters arrive in the scalars).
     write_params: return the new param ``p + u`` (rounded once) instead of ``u``.
+    fields: ``rule.fields``, and ``decay``: ``rule.decay``, read once for all
+      the leaves.
   """
 
-  adamw_mode: bool
-  write_params: bool = False
+  rule: Any
+  write_params: bool
+  fields: tuple
+  decay: str | None
+
+
+def step_of(rule: Any, write_params: bool = False) -> Step:
+  """The :class:`Step` of ``rule``."""
+  return Step(rule, write_params, rule.fields, rule.decay)
 
 
 # Storage dtypes the custom kernels have loops for.
 STORAGE_DTYPES = frozenset({np.dtype(jnp.float32), np.dtype(jnp.bfloat16), np.dtype(jnp.float16)})
 
 
-def pack_scalars(s: AdamScalars) -> jax.Array:
-  """The scalars as one float32 vector operand, in field order (``step_ok`` as 1.0 / 0.0)."""
+def pack_scalars(s: Any, names: Sequence[str]) -> jax.Array:
+  """The scalars ``names`` of ``s`` and then ``step_ok`` (1.0 / 0.0) as one float32 vector operand."""
   step_ok = jnp.ones([], jnp.float32) if s.step_ok is None else s.step_ok.astype(jnp.float32)
-  return jnp.stack([
-      s.learning_rate, s.b1, s.b2, s.eps, s.weight_decay, s.bias_correction1, s.bias_correction2_sqrt, step_ok,
-  ]).astype(jnp.float32)
+  return jnp.stack([getattr(s, name) for name in names] + [step_ok]).astype(jnp.float32)
 
 
 def chunks(n: int, size: int) -> Iterator[slice]:

@@ -21,9 +21,10 @@ each in its own buffer: nothing is concatenated), with the moments aliased in
 place: float moments, or 8-bit block-wise ones
 (:class:`quantized.QuantizedMoment`: codes and scales, both updated in place,
 block by block, with the code maps and thresholds of :mod:`quantized` passed as
-an operand). Leaves it cannot take (complex, float64, mixed dtypes it has no
-loop for) go to :func:`reference.update_leaves` in the same step, and so does
-everything on a non-CPU platform (``lax.platform_dependent`` chooses at
+an operand). It implements one rule: Adam (:func:`implements`). Leaves of
+other rules, and leaves it cannot take (complex, float64, mixed dtypes it has
+no loop for), go to :func:`reference.update_leaves` in the same step, and so
+does everything on a non-CPU platform (``lax.platform_dependent`` chooses at
 lowering time).
 """
 
@@ -41,6 +42,7 @@ import numpy as np
 
 from optax_hybrid import _compat
 from optax_hybrid.kernels import contract, quantized, reference
+from optax_hybrid.rules import DECOUPLED
 
 TARGET = "optax_hybrid_adamw_cpu"
 _SYMBOL = "OptaxHybridAdamWCpu"
@@ -151,31 +153,41 @@ def _is_quantized(moment) -> bool:
   return isinstance(moment, quantized.QuantizedMoment)
 
 
-def _supports_quantized(leaf: contract.LeafOperands, fact: contract.LeafFacts, rule: contract.Rule) -> bool:
+def implements(rule: Any) -> bool:
+  """The rule the C++ loops compute: Adam (decoupled or L2 decay), without Nesterov momentum or ``eps_root``."""
+  return rule.name == "adam" and not rule.nesterov and not rule.uses_eps_root
+
+
+# The scalars the C++ reads, in this order (then the skip flag): AdamW's.
+SCALARS = ("learning_rate", "b1", "b2", "eps", "weight_decay", "bias_correction1", "bias_correction2_sqrt")
+
+
+def _supports_quantized(leaf: contract.LeafOperands, fact: contract.LeafFacts, step: contract.Step) -> bool:
   """8-bit moments: both quantized, codes shaped like the leaf, scales per block; float32 updates or new params."""
   shape = tuple(leaf.grad.shape)
-  if not (_is_quantized(leaf.mu) and _is_quantized(leaf.nu)) or len(shape) == 0:
+  if not all(_is_quantized(m) for m in leaf.state) or len(shape) == 0:
     return False
-  for moment in (leaf.mu, leaf.nu):
+  for moment in leaf.state:
     if (tuple(moment.codes.shape) != shape or np.dtype(moment.codes.dtype) != quantized.CODE_DTYPE
         or tuple(moment.scales.shape) != quantized.scales_shape(shape)
         or np.dtype(moment.scales.dtype) != quantized.SCALE_DTYPE):
       return False
-  expected = np.dtype(leaf.grad.dtype) if rule.write_params else _F32
+  expected = np.dtype(leaf.grad.dtype) if step.write_params else _F32
   return np.dtype(fact.out_dtype) == expected
 
 
-def supports(leaf: contract.LeafOperands, fact: contract.LeafFacts, rule: contract.Rule) -> bool:
-  """Whether the compiled loops cover this leaf's dtypes (see ``run_leaf`` in the C++)."""
+def supports(leaf: contract.LeafOperands, fact: contract.LeafFacts, step: contract.Step) -> bool:
+  """Whether the compiled loops cover this leaf: its rule (:func:`implements`) and dtypes (``run_leaf`` in the C++)."""
   t = np.dtype(leaf.grad.dtype)
   if t not in contract.STORAGE_DTYPES or (leaf.param is not None and np.dtype(leaf.param.dtype) != t):
     return False
-  if _is_quantized(leaf.mu) or _is_quantized(leaf.nu):
-    return _supports_quantized(leaf, fact, rule)
-  s = np.dtype(leaf.mu.dtype)
-  if s != np.dtype(leaf.nu.dtype) or s not in (_F32, t):
+  mu, nu = leaf.state
+  if _is_quantized(mu) or _is_quantized(nu):
+    return _supports_quantized(leaf, fact, step)
+  s = np.dtype(mu.dtype)
+  if s != np.dtype(nu.dtype) or s not in (_F32, t):
     return False
-  expected = t if rule.write_params else (_F32 if s == _F32 else t)
+  expected = t if step.write_params else (_F32 if s == _F32 else t)
   return np.dtype(fact.out_dtype) == expected
 
 
@@ -186,7 +198,7 @@ def supports(leaf: contract.LeafOperands, fact: contract.LeafFacts, rule: contra
 MAX_LEAVES_PER_CALL = 64
 
 
-def _native_call(leaves, facts, s, rule):
+def _native_call(leaves, facts, s, step):
   """One custom call over at most :data:`MAX_LEAVES_PER_CALL` leaves.
 
   Per leaf, the operands are the gradient, mu's arrays, nu's arrays (one
@@ -196,7 +208,7 @@ def _native_call(leaves, facts, s, rule):
   operands, has_param, aliases, result_types = [], [], {}, []
   for leaf, fact in zip(leaves, facts):
     first_result = len(result_types)
-    moments = jax.tree.leaves((leaf.mu, leaf.nu))  # [mu] + [nu], or codes and scales of each
+    moments = jax.tree.leaves(leaf.state)  # [mu, nu], or codes and scales of each
     base = 2 + len(operands)  # operands 0 and 1 are the scalars and the code tables
     operands += [leaf.grad, *moments]
     result_types.append(jax.ShapeDtypeStruct(leaf.grad.shape, fact.out_dtype))
@@ -204,7 +216,7 @@ def _native_call(leaves, facts, s, rule):
       aliases[base + 1 + k] = len(result_types)
       result_types.append(jax.ShapeDtypeStruct(x.shape, x.dtype))
     if leaf.param is not None:
-      if rule.write_params:
+      if step.write_params:
         aliases[base + 1 + len(moments)] = first_result  # the new param overwrites the old one in place
       operands.append(leaf.param)
     has_param.append(0 if leaf.param is None else 1)
@@ -212,45 +224,46 @@ def _native_call(leaves, facts, s, rule):
   tables = _compat.move(jnp.asarray(CODE_TABLES), _compat.memory_space_of(leaves[0].grad))
   call = jax.ffi.ffi_call(TARGET, result_types, input_output_aliases=aliases)
   outs = iter(call(
-      contract.pack_scalars(s), tables, *operands,
-      adamw_mode=np.int32(rule.adamw_mode), write_params=np.int32(rule.write_params),
+      contract.pack_scalars(s, SCALARS), tables, *operands,
+      adamw_mode=np.int32(step.decay == DECOUPLED), write_params=np.int32(step.write_params),
       block_size=np.int32(quantized.BLOCK_SIZE), decay=np.asarray([int(f.decay) for f in facts], np.int32),
       has_param=np.asarray(has_param, np.int32),
-      quantized=np.asarray([int(_is_quantized(leaf.mu)) for leaf in leaves], np.int32),
+      quantized=np.asarray([int(_is_quantized(leaf.state[0])) for leaf in leaves], np.int32),
   ))
   results = []
   for leaf in leaves:
     first = next(outs)
-    mu = jax.tree.unflatten(jax.tree.structure(leaf.mu), [next(outs) for _ in jax.tree.leaves(leaf.mu)])
-    nu = jax.tree.unflatten(jax.tree.structure(leaf.nu), [next(outs) for _ in jax.tree.leaves(leaf.nu)])
-    results.append(contract.LeafResult(first, mu, nu))
+    structure = jax.tree.structure(tuple(leaf.state))
+    results.append(contract.LeafResult(first, structure.unflatten([next(outs) for _ in range(structure.num_leaves)])))
   return results
 
 
 def update_leaves(
     leaves: Sequence[contract.LeafOperands],
     facts: Sequence[contract.LeafFacts],
-    s: contract.AdamScalars,
-    rule: contract.Rule,
+    s: Any,
+    step: contract.Step,
     *,
     direct: bool = False,
 ) -> list[contract.LeafResult]:
   """The kernel contract (:mod:`optax_hybrid.kernels.contract`); one custom call per 64 supported leaves.
 
+  Leaves of a rule it does not implement (:func:`implements`) and leaves it
+  has no loop for take the reference rule in the same step.
   ``direct=True`` emits the custom call without ``lax.platform_dependent``:
   for host compute on the CPU backend, where the platform is known and a
   ``platform_dependent`` would type its branches' outputs inconsistently.
   """
-  if not _load():
-    return reference.update_leaves(leaves, facts, s, rule)
+  if not _load() or not implements(step.rule):
+    return reference.update_leaves(leaves, facts, s, step)
 
   def run_native(leaves, facts):
-    on_cpu = lambda leaves: contract.in_chunks(lambda l, f: _native_call(l, f, s, rule), leaves, facts,
+    on_cpu = lambda leaves: contract.in_chunks(lambda l, f: _native_call(l, f, s, step), leaves, facts,
                                                MAX_LEAVES_PER_CALL)
     if direct:
       return on_cpu(leaves)
-    elsewhere = lambda leaves: reference.update_leaves(leaves, facts, s, rule)
+    elsewhere = lambda leaves: reference.update_leaves(leaves, facts, s, step)
     return contract.per_platform({"cpu": on_cpu, "default": elsewhere}, leaves)
 
-  return reference.with_reference_for_the_rest(lambda leaf, fact: supports(leaf, fact, rule), run_native,
-                                               leaves, facts, s, rule)
+  return reference.with_reference_for_the_rest(lambda leaf, fact: supports(leaf, fact, step), run_native,
+                                               leaves, facts, s, step)
