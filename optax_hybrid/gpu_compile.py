@@ -362,7 +362,7 @@ def _parse_hlo(text: str) -> tuple[dict[str, list[_Instruction]], str | None]:
         if m.group(1):
           entry = current
       continue
-    if line.strip() == "}":
+    if line.startswith("}"):  # "}" or, closing a host computation, '}, execution_thread="host"'
       current = None
       continue
     m = _INSTRUCTION.match(line)
