@@ -286,14 +286,17 @@ def _captured_stderr() -> Iterator[list]:
     finally:
       sys.stderr.flush()
       os.dup2(saved, 2)
-      with open(path, errors="replace") as f:
-        out.append(f.read())
+      # Read through the descriptor: the text survives whoever cleans the temporary directory meanwhile.
+      with os.fdopen(os.dup(fd), "rb") as f:
+        f.seek(0)
+        out.append(f.read().decode(errors="replace"))
       if out[0]:
         sys.stderr.write(out[0])
   finally:
     os.close(saved)
     os.close(fd)
-    os.unlink(path)
+    with contextlib.suppress(FileNotFoundError):
+      os.unlink(path)
 
 
 # --- the optimized HLO ----------------------------------------------------------
