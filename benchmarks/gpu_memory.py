@@ -470,6 +470,10 @@ CAPACITY_SETUPS = {
                                    False),
     "bf16 + fp32 mu and nu (device tier)": (jnp.bfloat16, lambda: optax_hybrid.hybrid_adamw(
         1e-4, weight_decay=0.1, tiers="device", moment_format="float32"), False),
+    "host tier, fp32 master and moments (params on the device)": (jnp.bfloat16, lambda: optax_hybrid.hybrid_adamw(
+        1e-4, weight_decay=0.1, tiers="host", master_dtype=jnp.float32, moment_format="float32"), False),
+    "host tier, fp32 master, 8-bit moments (params on the device)": (jnp.bfloat16, lambda: optax_hybrid.hybrid_adamw(
+        1e-4, weight_decay=0.1, tiers="host", master_dtype=jnp.float32, moment_format="8bit"), False),
     "host tier + scan_layers, fp32 master and moments": (jnp.bfloat16, lambda: optax_hybrid.hybrid_adamw(
         1e-4, weight_decay=0.1, tiers="host", master_dtype=jnp.float32, moment_format="float32"), True),
     "host tier + scan_layers, fp32 master, 8-bit moments": (jnp.bfloat16, lambda: optax_hybrid.hybrid_adamw(
@@ -502,9 +506,24 @@ def capacity_figures(setup: str, layers: int, target: str) -> dict:
   report = gpu_compile.compile_for_gpu(train_step, model.params, state, model.batch, target=target,
                                        donate_argnums=(0, 1))
   n = model.num_params
-  return dict(setup=setup, layers=layers, params=n, device=report.device_peak_bytes, host=report.host_peak_bytes,
+  fields = host_bytes_by_field(model.params, state, streamed)
+  return dict(setup=setup, layers=layers, params=n, **fields, device=report.device_peak_bytes, host=report.host_peak_bytes,
               host_argument=report.host_argument_bytes, host_temp=report.host_temp_bytes,
               to_device=report.to_device_bytes, to_host=report.to_host_bytes, warnings=len(report.warnings))
+
+
+def host_bytes_by_field(params, state, streamed: bool) -> dict:
+  """What the step's host memory holds, by what it is for: params, master, the rule's state and (streamed) the
+  gradient buffer scan_layers writes where the layers live, which has the layers' shapes and dtypes."""
+  on_host = lambda tree: sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree)
+                             if getattr(getattr(x, "sharding", None), "memory_kind", None) == "pinned_host")
+  by_field = {"host_params": on_host(params), "host_master": 0, "host_moments": 0}
+  if isinstance(state, tuple) and hasattr(state, "_fields"):
+    for name in state._fields:
+      if name != "plan":
+        by_field["host_master" if name == "master" else "host_moments"] += on_host(getattr(state, name))
+  by_field["host_gradient"] = by_field["host_params"] if streamed else 0
+  return by_field
 
 
 def largest_within(setup: str, target: str, host_limit: float, probes: dict, first: int, second: int) -> dict:
@@ -532,6 +551,12 @@ def largest_within(setup: str, target: str, host_limit: float, probes: dict, fir
   return dict(probe(depth), host_limit=host_limit, device_limit=device_limit, fits=fits(depth))
 
 
+def by_field(row: dict) -> str:
+  """Host bytes per weight: params / master / moments / gradient / the rest (the step's temporaries)."""
+  parts = [row[k] for k in ("host_params", "host_master", "host_moments", "host_gradient")]
+  return " / ".join(f"{x / row['params']:.2f}" for x in (*parts, row["host"] - sum(parts)))
+
+
 def capacity_table(args) -> list[dict]:
   rows, probes = [], {setup: {} for setup in CAPACITY_SETUPS}
   for setup in args.capacity_setups.split(";"):
@@ -544,15 +569,16 @@ def capacity_table(args) -> list[dict]:
         f"layers scanned) whose whole compiled train step fits one {args.target.upper()} ({device_gb:.1f} GB) and "
         f"a host memory, both used up to {LIMIT:.0%}; compile-time figures, jax {jax.__version__}:\n")
   print("| host memory | setup | layers | params | x optax.adamw bf16 + fp32 mu | device GB | host GB | "
-        "host B/weight | bus in / out B/weight |")
-  print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
+        "host B/weight | params / master / moments / gradient / other | bus in / out B/weight |")
+  print("|---|---|---:|---:|---:|---:|---:|---:|---|---:|")
   for memory in args.host_memories.split(","):
     mine = [r for r in rows if r["host_memory"] == memory]
     base = next((r for r in mine if r["setup"] == "optax.adamw bf16 + fp32 mu"), None)
     for r in mine:
       ratio = f"{r['params'] / base['params']:.2f}" if base else "-"
       print(f"| {memory} | {r['setup']} | {r['layers']} | {r['params'] / 1e9:.2f} B | {ratio} | {r['device'] / GB:.1f} | "
-            f"{r['host'] / GB:.1f} | {r['host'] / r['params']:.2f} | {r['to_device'] / r['params']:.2f} / "
+            f"{r['host'] / GB:.1f} | {r['host'] / r['params']:.2f} | {by_field(r)} | "
+            f"{r['to_device'] / r['params']:.2f} / "
             f"{r['to_host'] / r['params']:.2f} |")
   return rows
 

@@ -14,7 +14,8 @@ rest run in a new subprocess. Every combination asserts:
 * host tiers: no state in the device arguments or results (device arguments
   are the params, the gradients and the device tier's state);
 * ``host`` (and the host half of ``offload_fraction``): the host state is
-  updated in place: host temp at most 3 stages (a stage being ``max(largest
+  updated stage by stage (each stage's new state written to new host buffers,
+  then copied into the donated ones: docs/gpu_compile.md): host temp at most 3 stages (a stage being ``max(largest
   leaf's state, plan.STREAM_STAGE_BYTES)``), not a second copy of the state,
   and the device holds no moment or master: device temp at most two of the
   largest leaf's param + gradient (plus, for update + apply_updates, the
@@ -150,7 +151,7 @@ def check_tier_promise(combo: dict, report: dict, figures: dict) -> None:
   # device temporary whatever the tier: the updates of every leaf exist before
   # apply_updates adds them. tx.step has none.
   updates = figures["update_bytes"] if combo["path"] == "update" else 0
-  if state["host"]:  # updated on the host, in place: a few stages of host temporaries, not a copy
+  if state["host"]:  # updated on the host stage by stage: a few stages of host temporaries, not a copy
     stage = max(largest_state["host"], figures["stage_bytes"])
     assert report["host_temp_bytes"] <= 3 * stage + SLACK, f"host state copied: {why}"
     assert report["device_temp_bytes"] <= 2 * largest_param["host"] + updates + SLACK + (
