@@ -30,7 +30,7 @@ def test_disk_tier_equals_the_device_step_and_keeps_no_moment_arrays(fused, tmp_
   params, grads = make_params(), grads_like(make_params(), 4)
   kw = dict(weight_decay=0.1, skip_nonfinite=True, kernel="xla")
   want, want_state = run(optax_hybrid.hybrid_adamw(1e-2, **kw), params, grads, fused)
-  tx = optax_hybrid.hybrid_adamw(1e-2, weight_decay=0.0, tiers={"emb": "disk", "w": "host", "b": "disk", "s": "device"},
+  tx = optax_hybrid.hybrid_adamw(1e-2, tiers={"emb": "disk", "w": "host", "b": "disk", "s": "device"},
                                  nvme_offload_dir=tmp_path, **kw)
   got, state = run(tx, params, grads, fused)
   mu_files, nu_files = disk.files_of(state, "mu"), disk.files_of(state, "nu")
