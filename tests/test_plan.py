@@ -75,6 +75,7 @@ def test_state_bytes_counts_every_field_and_the_master():
   # 8-bit: per field one byte per value and a float32 scale per block of 256 along the last axis.
   q = leaf("host_state", quantized=True, master=F32)
   assert state_bytes(q, (3, 300)) == 2 * (900 + 3 * 2 * 4) + 900 * 4
+  assert all(type(state_bytes(lp, (3, 300))) is int for lp in (q, leaf("host_state")))  # bytes, not a float
 
 
 def test_stages_take_consecutive_leaves_up_to_the_budget_per_place():
