@@ -26,7 +26,8 @@ try:
 except ImportError:  # the property tests then fail at import, loudly
   pass
 else:
-  # benchmarks/mutation.py: stop at the first failing example, no shrinking
+  # mutation testing (mutmut, pyproject's [tool.mutmut]) and benchmarks/seeded_bugs.py: stop at the
+  # first failing example, no shrinking
   # (a failure is all a killed mutant needs; shrinking jitted steps takes minutes).
   settings.register_profile("mutation", phases=[Phase.explicit, Phase.generate])
 

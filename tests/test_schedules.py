@@ -132,7 +132,7 @@ def test_type_errors_name_the_argument(kwargs, name):
     optax_hybrid.warmup_cosine_schedule(**kwargs)
 
 
-# Tests added for surviving mutants of schedules.py (benchmarks/mutation.py).
+# Tests added for surviving mutants of schedules.py (mutation testing, docs/testing.md).
 
 def test_defaults_are_no_warmup_and_a_floor_of_zero():
   sched = optax_hybrid.warmup_cosine_schedule(2.0, total_steps=10)
@@ -147,3 +147,23 @@ def test_defaults_are_no_warmup_and_a_floor_of_zero():
 def test_a_zero_peak_is_a_valid_all_zero_schedule():
   sched = optax_hybrid.warmup_cosine_schedule(0.0, total_steps=10, warmup_steps=2)
   assert [float(sched(k)) for k in (0, 1, 5, 10, 20)] == [0.0] * 5
+
+
+def test_float_counts_give_the_values_of_integer_counts():
+  # A float step count (optax schedules accept one) takes the float branch of the count's range.
+  sched = optax_hybrid.warmup_cosine_schedule(1.0, total_steps=100, warmup_steps=10, eta_min=0.1)
+  ks = [0, 5, 9, 10, 11, 55, 99, 100, 150]
+  expected = [colossal_lr(k, 1.0, 100, 10, 0.1) for k in ks]
+  for dtype in (jnp.float32, jnp.bfloat16):
+    got = [float(sched(jnp.asarray(k, dtype))) for k in ks]
+    np.testing.assert_allclose(got, expected, rtol=1e-6, err_msg=str(dtype))
+
+
+def test_a_narrow_integer_count_at_its_largest_value_reaches_a_step_equal_to_it():
+  # int8 counts end at 127: warmup_steps=127 is reached at count 127 (the cosine's start, the peak), not
+  # still in warmup (128/127 of the peak); the same for total_steps=127 (the floor).
+  sched = optax_hybrid.warmup_cosine_schedule(1.0, total_steps=200, warmup_steps=127, eta_min=0.1)
+  assert float(sched(jnp.int8(127))) == pytest.approx(colossal_lr(127, 1.0, 200, 127, 0.1), rel=1e-6) == 1.0
+  assert float(sched(jnp.int8(126))) == pytest.approx(colossal_lr(126, 1.0, 200, 127, 0.1), rel=1e-6)
+  sched = optax_hybrid.warmup_cosine_schedule(1.0, total_steps=127, warmup_steps=0, eta_min=0.1)
+  assert float(sched(jnp.int8(127))) == pytest.approx(0.1, rel=1e-6)

@@ -269,7 +269,24 @@ def test_host_tier_uses_the_native_kernel_inside_host_compute_on_a_cpu():
     assert got_state.mu[k].sharding.memory_kind == "pinned_host"
 
 
-# --- tests added for surviving mutants of tiers.py (benchmarks/mutation.py) -------
+@needs_host
+@pytest.mark.parametrize("fused", [True, False])
+def test_a_host_group_lowered_for_cuda_runs_the_reference_not_the_devices_pallas_kernel(fused):
+  # kernel="auto" lowered for CUDA: the device's leaves get the Pallas kernel; a host-tier leaf runs in host
+  # compute, where a Triton launch cannot go: the reference (kernels_for(..., runs_on="host")). Traced on
+  # the CPU: the choice follows the lowering platform (docs/architecture.md).
+  from optax_hybrid import kernels
+  params = {"d": jnp.ones((8, 8)), "h": jnp.ones((8, 8))}
+  for spec, launches in (({"d": "device", "h": "host"}, 1), ("host", 0)):
+    tx = optax_hybrid.hybrid_adamw(1e-3, weight_decay=0.1, tiers=spec)
+    state = tx.init(params)
+    step = tx.step if fused else (lambda p, s, g: tx.update(g, s, p))
+    with kernels.lowering_for("cuda"):
+      jaxpr = str(jax.make_jaxpr(step)(params, state, params))
+    assert jaxpr.count("pallas_call") == launches, spec
+
+
+# --- tests added for surviving mutants of tiers.py (mutation testing, docs/testing.md) ---
 
 def test_pick_by_fraction_takes_a_leaf_exactly_half_inside_and_never_an_empty_one():
   # 10 + 30/2 = 25 is exactly 25% of 100: "at least half of it fits" takes it.

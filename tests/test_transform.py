@@ -285,11 +285,20 @@ def test_state_is_a_namedtuple_with_tree_get_and_abstract_init():
 
 
 def test_update_without_params_when_no_decay():
-  params, (g,) = make_params(), make_grads(1)
+  # No decay needs no params: three steps of tx.update(g, state) against optax.adam (AdamW without decay;
+  # optax.adamw asks for params even at weight_decay=0), also called without params, and the float64 model.
+  params, grads = make_params(), make_grads(3)
   tx = optax_hybrid.hybrid_adamw(1e-2, weight_decay=0.0)
-  with_p, _ = tx.update(g, tx.init(params), params)
-  without_p, _ = tx.update(g, tx.init(params))
-  chex.assert_trees_all_equal(with_p, without_p)
+  theirs_tx = optax.adam(1e-2)
+  state, theirs_state, p = tx.init(params), theirs_tx.init(params), dict(params)
+  for g in grads:
+    updates, state = jax.jit(tx.update)(g, state)
+    theirs, theirs_state = theirs_tx.update(g, theirs_state)
+    chex.assert_trees_all_close(updates, theirs, rtol=1e-5, atol=1e-8)
+    p = {k: p[k] + updates[k] for k in p}
+  want, _, _ = adamw_steps(params, grads, [1e-2] * 3, weight_decay=0.0)
+  for k in params:
+    np.testing.assert_allclose(np.asarray(p[k]), want[-1][k], rtol=1e-6, atol=1e-7)
 
 
 def test_zero_size_and_scalar_leaves():
