@@ -29,7 +29,7 @@ rest run in a new subprocess. Every combination asserts:
   that real and abstract inputs both get that far;
 * real and abstract inputs (``jax.ShapeDtypeStruct`` s of the state with its
   shardings, or ``tx.init`` called on ``ShapeDtypeStruct`` params) compile to
-  the same memory figures;
+  the same memory figures (one combination per kernel, ``REAL_TOO``);
 * 8-bit moments (device tier, ``kernel="pallas"`` and ``"auto"``): one Triton
   launch, codes and scales aliased in place, no float32 copy of the moments
   among the arguments or the temporaries.
