@@ -8,15 +8,17 @@ the new value back. One value per format, chosen once by ``init`` (into the
 plan, :attr:`optax_hybrid.plan.LeafPlan.master`) and run by every kernel
 through :func:`optax_hybrid.kernels.reference.master_update`:
 
-============== ============================== ============ =====================================
-``master=``    kept beside a bf16/fp16 param  bytes/weight the step's float32 value ``w`` ...
-============== ============================== ============ =====================================
-``"float32"``  a float32 copy                  4            is the copy; param = round(w)
-``"kahan"``    an error term in the param's    2            is param + term; param = round(w),
-               dtype (compensated summation)                term = round(w - param)
-``"stochastic"`` nothing                       0            is the param; param = w rounded up or
-                                                            down at random, unbiased
-============== ============================== ============ =====================================
+==================== ============================ ============ ===================================
+``master=``          kept beside a bf16/fp16      bytes/weight the step's float32 value ``w`` ...
+                     param
+==================== ============================ ============ ===================================
+``"float32"``        a float32 copy               4            is the copy; param = round(w)
+``"kahan"``          an error term in the         2            is param + term; param = round(w),
+                     param's dtype (compensated                term = round(w - param)
+                     summation)
+``"stochastic"``     nothing                      0            is the param; param = w rounded up
+                                                               or down at random, unbiased
+==================== ============================ ============ ===================================
 
 (``master_dtype=jnp.float32``, the older spelling, is ``master="float32"``;
 any floating ``master_dtype`` wider than the param is a :class:`DtypeMaster`.)
@@ -59,8 +61,9 @@ from jax import lax
 
 from optax_hybrid import _compat
 
-#: The ``master=`` names.
+#: The ``master=`` names, each.
 FLOAT32, KAHAN, STOCHASTIC = "float32", "kahan", "stochastic"
+#: Every ``master=`` name, in the order messages list them.
 MASTER_NAMES = (FLOAT32, KAHAN, STOCHASTIC)
 
 
