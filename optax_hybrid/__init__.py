@@ -31,6 +31,8 @@ Public API:
 * :func:`standard_optimizer`: clipping, AdamW with warmup-cosine,
   accumulation and parameter groups in one call; :func:`last_learning_rate`
   reads the rate of the latest update from its state.
+* :mod:`optax_hybrid.masters`: the master weight formats of ``master=``
+  (``"float32"``, ``"kahan"``, ``"stochastic"``).
 * :mod:`optax_hybrid.tiers` and :mod:`optax_hybrid.disk`: placement tiers and
   the disk tier; :mod:`optax_hybrid.plan`: every per-leaf decision ``init``
   makes (``state.plan``).
@@ -39,7 +41,7 @@ Public API:
   JAX's CUDA plugin: ``gpu_compile.install_cuda_plugin()``).
 """
 
-from optax_hybrid import checkpoint, disk, options, plan, recipe, report, rules, tiers
+from optax_hybrid import checkpoint, disk, masters, options, plan, recipe, report, rules, tiers
 from optax_hybrid.placement import (
     STATE_MEMORY_KINDS,
     apply_updates,
@@ -73,6 +75,7 @@ __all__ = [
     "commit",
     "disk",
     "last_learning_rate",
+    "masters",
     "memory_report",
     "moment_values",
     "options",

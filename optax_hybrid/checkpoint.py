@@ -49,7 +49,7 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
-from optax_hybrid import _compat, disk, placement
+from optax_hybrid import _compat, disk, masters as masters_lib, placement
 from optax_hybrid.plan import Plan
 from optax_hybrid.rules import STATE_TYPES, is_state as _is_state
 from optax_hybrid.transform import params_shaped_fields
@@ -346,8 +346,11 @@ class _StateRestore:
   Empty entries are read as nothing and made again from ``like``; a disk
   leaf's moments are read into host memory and written into ``like``'s files;
   a master that ``like`` keeps and the checkpoint lacks is built from its
-  restored param; a master the checkpoint has and ``like`` does not keep is
-  not read (its target is None).
+  restored param (a float32 copy) or from nothing (a Kahan term starts at
+  zero); a master saved in another format (:mod:`optax_hybrid.masters`: a
+  float32 copy and a Kahan term differ in dtype) is read in its own dtype and
+  converted through its float32 value; a master the checkpoint has and
+  ``like`` does not keep is not read (its target is None).
   """
 
   def __init__(self, key_path: Any, like: HybridState, plan: Plan, saved: _Saved):
@@ -358,17 +361,33 @@ class _StateRestore:
     self.paths = [path for path, _ in jax.tree_util.tree_leaves_with_path(self.params_shaped)]
     prefix = _names(key_path)
     kept = set() if like.master is None else set(range(len(plan.leaves))) - set(plan.empty_entries("master"))
+    self.build_master, self.convert = [], {}
     if not saved.known:
-      self.saved_master_tree, self.build_master = like.master is not None, []
+      self.saved_master_tree = like.master is not None
       return
-    # A state saved without master_dtype has no master tree at all; Orbax
+    # A state saved without masters has no master tree at all; Orbax
     # needs the target's tree to be the saved one, with None where it reads nothing.
     self.saved_master_tree = isinstance(saved.node(prefix + ("master",)), (dict, list, tuple))
-    self.build_master = [i for i in sorted(kept)
-                         if prefix + ("master",) + _names(self.paths[i]) not in saved.arrays]
+    for i in sorted(kept):
+      found = saved.arrays.get(prefix + ("master",) + _names(self.paths[i]))
+      if found is None:
+        self.build_master.append(i)
+      elif found[1] != np.dtype(plan.leaves[i].master_dtype):  # kept by another format: {leaf: saved dtype}
+        self.convert[i] = found[1]
+
+  def _saved_format(self, i: int) -> masters_lib.MasterFormat:
+    lp = self.plan.leaves[i]
+    return masters_lib.kept_format(self.convert[i], lp.param_dtype)
 
   def missing_masters(self) -> list[str]:
-    return [f"{self.where}.master{jax.tree_util.keystr(self.paths[i])}" for i in self.build_master]
+    """The masters to build that need their param (a copy; a Kahan term starts at zero)."""
+    return [f"{self.where}.master{jax.tree_util.keystr(self.paths[i])}" for i in self.build_master
+            if not self.plan.leaves[i].master.reads_param]
+
+  def converted_masters(self) -> list[str]:
+    """The masters to convert from another format that need their param (any conversion with a Kahan term)."""
+    return [f"{self.where}.master{jax.tree_util.keystr(self.paths[i])}" for i in self.convert
+            if self._saved_format(i).reads_param or self.plan.leaves[i].master.reads_param]
 
   def target(self) -> HybridState:
     """What Orbax restores into for this state."""
@@ -381,8 +400,11 @@ class _StateRestore:
       state = state._replace(master=None)
     elif state.master is None:  # masters saved, none kept: a tree that reads nothing
       state = state._replace(master=jax.tree.map(lambda _: None, self.params_shaped))
-    elif self.build_master:  # none saved for these: they read nothing
-      state = _replace_entries(state, "master", {i: None for i in self.build_master})
+    else:  # none saved for some: they read nothing; others are read in the dtype they were saved in
+      entries = jax.tree.leaves(state.master)
+      read_as = {i: jax.ShapeDtypeStruct(entries[i].shape, dtype, sharding=getattr(entries[i], "sharding", None))
+                 for i, dtype in self.convert.items()}
+      state = _replace_entries(state, "master", {**{i: None for i in self.build_master}, **read_as})
     return jax.tree.map(lambda x: None if _is_empty(x) else x, state)  # empty entries read nothing
 
   def finish(self, restored: HybridState, masters: dict) -> HybridState:
@@ -411,22 +433,37 @@ class _StateRestore:
       fields[field] = treedef.unflatten(out)
     return restored._replace(**fields)
 
-  def masters_from_params(self, params: dict) -> dict:
-    """``{leaf index: master}`` built from ``params`` (by path), or a ValueError naming the first that cannot be."""
+  def _param(self, params: dict, i: int, like_entry: Any) -> np.ndarray:
+    """Leaf ``i``'s param from ``params`` (by path) on the host, or a ValueError naming it."""
+    path = jax.tree_util.keystr(self.paths[i])
+    param = params.get(path)
+    if param is None or tuple(np.shape(param)) != tuple(like_entry.shape):
+      found = "no param" if param is None else f"a param of shape {tuple(np.shape(param))}"
+      raise ValueError(
+          f"checkpoint.restore: `masters_from` returned {found} at {path} for the master "
+          f"{self.where}.master{path} (shape {tuple(like_entry.shape)}); it must return the params tree the "
+          "optimizer state was initialized with, e.g. masters_from=lambda restored: restored['params'].")
+    if isinstance(param, jax.Array) and param.is_fully_addressable:
+      param = np.asarray(jax.device_get(param))  # converted on the host, as init converts host masters
+    return param
+
+  def masters_from_params(self, params: dict, restored: HybridState) -> dict:
+    """``{leaf index: master}`` built from ``params`` (by path) or converted from ``restored``'s other format.
+
+    Raises a ValueError naming the first param that cannot be found.
+    """
     masters = {}
-    like_masters = jax.tree.leaves(self.like.master) if self.build_master else []
+    like_masters = jax.tree.leaves(self.like.master) if self.build_master or self.convert else []
     for i in self.build_master:
-      path, like_entry = jax.tree_util.keystr(self.paths[i]), like_masters[i]
-      param = params.get(path)
-      if param is None or tuple(np.shape(param)) != tuple(like_entry.shape):
-        found = "no param" if param is None else f"a param of shape {tuple(np.shape(param))}"
-        raise ValueError(
-            f"checkpoint.restore: `masters_from` returned {found} at {path} for the master "
-            f"{self.where}.master{path} (shape {tuple(like_entry.shape)}); it must return the params tree the "
-            "optimizer state was initialized with, e.g. masters_from=lambda restored: restored['params'].")
-      if isinstance(param, jax.Array) and param.is_fully_addressable:
-        param = np.asarray(jax.device_get(param))  # converted on the host, as init converts host masters
-      masters[i] = _placed_like(param, like_entry)
+      fmt, like_entry = self.plan.leaves[i].master, like_masters[i]
+      masters[i] = (_placed_like(None, like_entry) if fmt.reads_param  # a Kahan term: zero
+                    else _placed_like(self._param(params, i, like_entry), like_entry))
+    saved = jax.tree.structure(self.like.master).flatten_up_to(restored.master) if self.convert else []
+    for i in self.convert:
+      fmt, like_entry, before = self.plan.leaves[i].master, like_masters[i], self._saved_format(i)
+      param = self._param(params, i, like_entry) if before.reads_param or fmt.reads_param else None
+      value = np.asarray(before.value(param, np.asarray(jax.device_get(saved[i]))))
+      masters[i] = _placed_like(fmt.from_value(value, param), like_entry)
     return masters
 
 
@@ -437,15 +474,20 @@ def restore(checkpoint_manager, like: Any, step: int | None = None, *,
   ``like`` may be placed differently from what was saved: another tier or
   memory kind, another mesh or sharding (ZeRO-1 included), disk-tier moments
   (written into ``like``'s files). It may also differ in master weights
-  (``hybrid_adamw(master_dtype=...)`` turned on or off mid-run):
+  (``hybrid_adamw(master=...)`` turned on or off, or changed, mid-run):
 
   * a master that ``like`` keeps and the checkpoint lacks is built from its
     restored param, converted to the master's dtype exactly as ``init`` does;
     pass ``masters_from``, a function of the restored tree that returns the
-    params (``lambda restored: restored["params"]``);
+    params (``lambda restored: restored["params"]``). A Kahan term
+    (``master="kahan"``) starts at zero, as ``init`` makes it, without;
+  * a master kept in another format (a float32 copy restored into
+    ``master="kahan"``, or the reverse) is converted through its float32
+    value: ``param + term`` becomes the copy, the copy minus its param the
+    term; pass ``masters_from``;
   * a master the checkpoint has and ``like`` does not keep is dropped (read
     into the leaf's state memory and discarded): the step continues from the
-    params.
+    params (``master="stochastic"`` keeps none).
 
   A step that cannot be read (a file cut short or missing, metadata that
   does not parse) raises :class:`UnreadableCheckpointError`, whose first line
@@ -466,7 +508,8 @@ def restore(checkpoint_manager, like: Any, step: int | None = None, *,
       shape, dtype, sharding and memory kind.
     step: which checkpoint; ``None`` for the latest complete one.
     masters_from: ``restored tree -> params``, used only for masters the
-      checkpoint lacks: each is built from the param at its path.
+      checkpoint lacks or keeps in another format: each is built from (or
+      converted with) the param at its path.
     skip_unreadable: restore the newest step that reads completely, moving
       newer unreadable ones aside (above); with ``step=None`` only, and one
       process (``jax.process_count() == 1``).
@@ -481,8 +524,8 @@ def restore(checkpoint_manager, like: Any, step: int | None = None, *,
     ValueError: if ``like`` does not fit the checkpoint (a leaf of another
       shape, or one the checkpoint lacks, or the reverse); if
       ``skip_unreadable`` is combined with a ``step`` or several processes;
-      if ``like`` keeps master weights the checkpoint lacks and no
-      ``masters_from`` is given, or ``masters_from`` does not return a param
+      if ``like`` keeps master weights the checkpoint lacks (or keeps in
+      another format) and no ``masters_from`` is given, or ``masters_from`` does not return a param
       of the right shape for one of them; or if ``like`` holds disk-tier
       moments without the plan that names their files (``nnx.state(optimizer)``).
     TypeError: if ``masters_from`` is not callable.
@@ -591,6 +634,15 @@ def _restore_step(checkpoint_manager, like: Any, step: int, masters_from: Any) -
         "`like` keeps them. Pass masters_from=lambda restored: restored['params'] (a function of the restored "
         "tree that returns the params) to build each master from its restored param, as init does; or restore "
         "into a state made without master_dtype.")
+  converted = [name for r in states.values() for name in r.converted_masters()]
+  if converted and masters_from is None:
+    raise ValueError(
+        f"checkpoint.restore: checkpoint step {step} keeps {', '.join(converted[:3])}"
+        f"{', ...' if len(converted) > 3 else ''} in another master format than `like` (a float32 copy and a "
+        "Kahan term: master='float32' and master='kahan'). Pass masters_from=lambda restored: "
+        "restored['params'] (a function of the restored tree that returns the params) to convert each through "
+        "its param's value.")
+  missing = missing + converted
   # An empty array where the checkpoint holds values would drop them: disk-tier
   # moments restored into a tree without their plan (nnx.state(optimizer)).
   dropped = [jax.tree_util.keystr(path) for j, (path, x) in enumerate(entries)
@@ -614,8 +666,8 @@ def _restore_step(checkpoint_manager, like: Any, step: int, masters_from: Any) -
     params = {jax.tree_util.keystr(path): x
               for path, x in jax.tree_util.tree_leaves_with_path(masters_from(restored))}
   # Every master is built (or refused) before any disk file is written.
-  masters = {j: r.masters_from_params(params) for j, r in states.items()}
   got = treedef.flatten_up_to(restored)
+  masters = {j: r.masters_from_params(params, got[j]) for j, r in states.items()}
   restored = treedef.unflatten([
       states[j].finish(value, masters[j]) if j in states else _placed_like(None, x) if _is_empty(x) else value
       for j, ((_, x), value) in enumerate(zip(entries, got))])

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optax_hybrid import _checks, disk, placement, tiers as tiers_lib
+from optax_hybrid import _checks, disk, masters, placement, tiers as tiers_lib
 from optax_hybrid.kernels import check_kernel_name
 
 QUANTIZED_8BIT = "8bit"
@@ -95,16 +95,28 @@ class Storage:
       whose state shards would split a block keep float32). Every tier and
       kernel takes it; the update uses the new values before they are
       quantized (:mod:`optax_hybrid.kernels.quantized`).
-    master_dtype: keep a master copy in this dtype (e.g. ``jnp.float32``) for
-      each lower-precision param (bf16, fp16), placed with its state. The step
-      is computed against the master; the new param is the new master rounded
-      to the param's dtype (``tx.step``), and ``update`` returns, in the
-      master's dtype, the difference that makes ``apply_updates`` land exactly
-      on it. Small steps then accumulate instead of rounding away.
+    master: master weights for each lower-precision param (bf16, fp16), so
+      that small steps accumulate instead of rounding away
+      (:mod:`optax_hybrid.masters`): ``"float32"`` (a float32 copy, 4 bytes
+      per weight), ``"kahan"`` (an error term in the param's dtype, 2 bytes:
+      compensated summation) or ``"stochastic"`` (nothing kept: the new value
+      rounded up or down at random, unbiased). What is kept lives with the
+      leaf's state. The step is computed on the float32 value the format
+      gives; the new param is written by the format (``tx.step``), and
+      ``update`` returns, in float32, the difference that makes
+      ``apply_updates`` land exactly on it.
+    master_dtype: the older spelling: keep a master copy in this dtype;
+      ``jnp.float32`` is ``master="float32"``. Pass one of the two.
   """
 
   moment_format: Optional[str] = None
+  master: Optional[str] = None
   master_dtype: Any = None
+
+  @property
+  def master_format(self) -> Optional[masters.MasterFormat]:
+    """The :class:`~optax_hybrid.masters.MasterFormat` asked for by ``master`` or ``master_dtype``, or None."""
+    return masters.resolve(self.master, self.master_dtype, "Storage")
 
   @property
   def quantized(self) -> bool:
@@ -238,13 +250,8 @@ def _checked_storage(owner: str, s: Storage, rule: Any) -> Storage:
       names = " / ".join(f"`{f.dtype_argument}`" for f in rule.fields if f.dtype_argument)
       raise ValueError(f"{owner}: pass either `moment_format` or {names}, not both: "
                        f"moment_format={s.moment_format!r} sets the storage of every field the rule keeps.")
-  master_dtype = None
-  if s.master_dtype is not None:
-    master_dtype = jnp.dtype(s.master_dtype)
-    if not jnp.issubdtype(master_dtype, jnp.floating):
-      raise ValueError(f"{owner}: `master_dtype` must be a real floating dtype such as jnp.float32, "
-                       f"got {master_dtype}.")
-  return dataclasses.replace(s, master_dtype=master_dtype)
+  masters.resolve(s.master, s.master_dtype, owner)  # raises for a bad value, or both
+  return dataclasses.replace(s, master_dtype=None if s.master_dtype is None else jnp.dtype(s.master_dtype))
 
 
 def _checked_execution(owner: str, e: Execution) -> Execution:

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from optax_hybrid import _compat, disk, placement
+from optax_hybrid import _compat, disk, masters, placement
 from optax_hybrid._compat import DEVICE, HOST
 from optax_hybrid.kernels import LeafFacts, LeafOperands, kernels_for, quantized, reference, step_of
 from optax_hybrid.kernels.contract import per_platform
@@ -33,7 +33,9 @@ class LeafIn(NamedTuple):
   ``state`` holds one value per field of the rule: an array, an 8-bit
   :class:`~optax_hybrid.kernels.quantized.QuantizedMoment`, or for the disk
   tier its :class:`disk.DiskMoment` (codes and scales: two) until
-  :func:`load_disk_state`. ``master`` is None where the leaf keeps none.
+  :func:`load_disk_state`. ``master`` is its master format's kernel operand
+  (:meth:`optax_hybrid.masters.MasterFormat.operand`: what it keeps, or a
+  seed), None without a master.
   """
 
   grad: Any
@@ -100,8 +102,11 @@ def gather(grads: Any, state: Any, params: Any, plan: Plan, *, write_params: boo
         values.append(_compat.move(field[i], lp.state_space))
     values = tuple(values)
     _check_gradient(lp, plan, g, values, p, owner)
-    out.append(LeafIn(g, values, None if p is None else _compat.move(p, lp.param_space),
-                      _compat.move(w, lp.state_space) if lp.master_dtype is not None else None))
+    master = None
+    if lp.master is not None:  # what the format keeps (typed with its space), or a random format's seed
+      master = lp.master.operand(_compat.move(w, lp.state_space) if lp.master_dtype is not None else None,
+                                 state.count, masters.salt_of(lp.path))
+    out.append(LeafIn(g, values, None if p is None else _compat.move(p, lp.param_space), master))
   return treedef, out
 
 
@@ -125,17 +130,16 @@ def _param_leaves(params: Any, treedef: Any, plan: Plan, write_params: bool) -> 
 def _master_leaves(master: Any, params: Any, treedef: Any, plan: Plan) -> list:
   """The state's master entries (Nones without masters), or a ValueError when they do not fit."""
   owner = plan.owner
+  if params is None and any(lp.master is not None for lp in plan.leaves):
+    raise ValueError(f"{owner}: with master weights, `params` is required: call tx.update(grads, state, "
+                     "params) (the update is new_param - param).")
   if master is None:
     return [None] * treedef.num_leaves
   try:
-    leaves = treedef.flatten_up_to(master)
+    return treedef.flatten_up_to(master)
   except (ValueError, TypeError) as e:
     raise ValueError(f"{owner}: the state's master weights do not match the gradients' tree structure; "
                      "pass gradients for the params the state was initialized with.") from e
-  if params is None and any(lp.master_dtype is not None for lp in plan.leaves):
-    raise ValueError(f"{owner}: with master weights, `params` is required: call tx.update(grads, state, "
-                     "params) (the update is new_param - param).")
-  return leaves
 
 
 def _field_value(lp: LeafPlan, name: str, entry: Any, scales: Any, owner: str) -> Any:
@@ -290,35 +294,40 @@ def _store(lp: LeafPlan, leaf: LeafIn, result: tuple) -> LeafOut:
 
 def _run_group(plans: Sequence[LeafPlan], leaves: Sequence[LeafIn], plan: Plan, rule: Any, s: Any, *,
                write_params: bool, fused: bool) -> list[tuple]:
-  """One group: operands moved to where it runs, the kernel; ``(first, state, master)`` per leaf, where it ran."""
+  """One group: operands moved to where it runs, the kernel; ``(first, state, master)`` per leaf, where it ran.
+
+  A mastered group's leaves (one master format: :attr:`LeafPlan.group`) are
+  stepped through it (:attr:`Step.master`): the kernel reads their values
+  from the param and the master's operand and writes the new param beside
+  the master, so only the low-precision value crosses to the param's memory.
+  """
   where = plans[0].runs_on
-  mastered = plans[0].master_dtype is not None
-  # Parameters that are not read (no decay, no fused apply, or a master
+  master = plans[0].master
+  # Parameters that are not read (no decay, no fused apply, or a master copy
   # stands in for them) are not moved either.
   operands = []
   for lp, leaf in zip(plans, leaves):
-    param = leaf.master if mastered else leaf.param if (lp.decay or write_params) else None
+    if master is not None:
+      param = leaf.param if master.reads_param else None
+    else:
+      param = leaf.param if (lp.decay or write_params) else None
     if where == "host":  # the param's sharding: its gradient and (if on the device) the param cross with it
       to = lambda x: jax.tree.map(lambda a: placement.to_host(a, lp.gather_to or lp.state_sharding), x)
-      operands.append(LeafOperands(to(leaf.grad), to(leaf.state), to(param)))
+      seed = master is not None and not master.keeps  # a random format's seed: a replicated scalar
+      operands.append(LeafOperands(to(leaf.grad), to(leaf.state), to(param),
+                                   _compat.move(leaf.master, HOST) if seed else to(leaf.master)))
     elif lp.state_space == DEVICE:  # the state and (a device run's) param are on the device
-      operands.append(LeafOperands(_compat.move(leaf.grad, DEVICE), leaf.state, param))
+      operands.append(LeafOperands(_compat.move(leaf.grad, DEVICE), leaf.state, param, leaf.master))
     else:  # the state in host memory as gather typed it (host_state; a disk leaf's master) is copied in
       to = lambda x: jax.tree.map(lambda a: jax.device_put(a, DEVICE), x)
       operands.append(LeafOperands(_compat.move(leaf.grad, DEVICE), leaf.state if lp.on_disk else to(leaf.state),
-                                   to(param) if mastered else param))
-  facts = [LeafFacts(lp.decay, lp.master_dtype if mastered else (
-      jnp.asarray(leaf.param).dtype if write_params else jnp.result_type(leaf.grad.dtype, *lp.dtypes)))
-           for lp, leaf in zip(plans, leaves)]
-  step = step_of(rule, write_params=write_params or mastered)
-  param_dtypes = [jnp.asarray(leaf.param).dtype if mastered else None for leaf in leaves]
+                                   param, to(leaf.master)))
+  facts = [LeafFacts(lp.decay, jnp.asarray(leaf.param).dtype if (write_params or master is not None) else
+                     jnp.result_type(leaf.grad.dtype, *lp.dtypes)) for lp, leaf in zip(plans, leaves)]
+  step = step_of(rule, write_params=write_params, master=master)
 
   def compute(kernel, operands, s):
-    results = kernel(operands, facts, s, step)
-    # A master's new param is rounded beside the master, so only the
-    # low-precision value crosses to the param's memory.
-    return [(r.first.astype(dt), r.state, r.first) if mastered else (r.first, r.state, None)
-            for r, dt in zip(results, param_dtypes)]
+    return [(r.first, r.state, r.master) for r in kernel(operands, facts, s, step)]
 
   kernels = kernels_for(plan.kernel, fused=fused, runs_on=where, split=plan.split, rule=rule)
   if where == "host":
@@ -328,18 +337,27 @@ def _run_group(plans: Sequence[LeafPlan], leaves: Sequence[LeafIn], plan: Plan, 
   elif plan.split == "shard_map" and set(kernels.values()) != {reference.update_leaves}:
     branches = {p: _per_shard(functools.partial(compute, k), plans, plan.mesh, s, operands)
                 for p, k in kernels.items()}
-    operands = [jax.tree.map(lambda x, sharding=lp.state_sharding: placement.constrain(x, sharding), op)
-                for lp, op in zip(plans, operands)]
+    operands = [_constrained(op, lp) for lp, op in zip(plans, operands)]
   else:
     branches = {p: functools.partial(compute, k) for p, k in kernels.items()}
   return [tuple(r) for r in per_platform(branches, operands, s)]
 
 
+def _constrained(op: LeafOperands, lp: LeafPlan) -> LeafOperands:
+  """A leaf's operands constrained to its state's sharding (a random master format's seed stays replicated)."""
+  constrain = lambda x: jax.tree.map(lambda a: placement.constrain(a, lp.state_sharding), x)
+  kept = lp.master is None or lp.master.keeps
+  return LeafOperands(constrain(op.grad), constrain(op.state), constrain(op.param),
+                      constrain(op.master) if kept else op.master)
+
+
 def _per_shard(compute, plans: Sequence[LeafPlan], mesh: Any, s: Any, operands: Sequence[LeafOperands]):
   """``compute`` under ``shard_map``: every operand of a leaf split like its state, the scalars replicated."""
   specs = [lp.state_sharding.spec for lp in plans]
-  in_specs = ([LeafOperands(sp, tuple(sp for _ in op.state), None if op.param is None else sp)
-               for op, sp in zip(operands, specs)],
+  # A master that keeps values is split like the state; a random format's seed is replicated.
+  master_spec = lambda lp, sp: None if lp.master is None else sp if lp.master.keeps else jax.sharding.PartitionSpec()
+  in_specs = ([LeafOperands(sp, tuple(sp for _ in op.state), None if op.param is None else sp, master_spec(lp, sp))
+               for lp, op, sp in zip(plans, operands, specs)],
               type(s)(*(None if x is None else jax.sharding.PartitionSpec() for x in s)))
   out_specs = [(sp, tuple(sp for _ in op.state), sp if lp.master_dtype is not None else None)
                for lp, op, sp in zip(plans, operands, specs)]
@@ -349,18 +367,18 @@ def _per_shard(compute, plans: Sequence[LeafPlan], mesh: Any, s: Any, operands: 
 
 
 def _master_updates(outs: list[LeafOut], leaves: Sequence[LeafIn], plan: Plan) -> list[LeafOut]:
-  """For the Optax contract: a mastered leaf's update is ``new_param - param`` in the master's dtype.
+  """For the Optax contract: a mastered leaf's update is ``new_param - param`` in its format's ``update_dtype``.
 
   Computed where the param lives (host-resident params in one host-compute
   region): added back in that dtype it gives the new param exactly.
   """
-  mastered = [i for i, lp in enumerate(plan.leaves) if lp.master_dtype is not None]
+  mastered = [i for i, lp in enumerate(plan.leaves) if lp.master is not None]
   if not mastered:
     return outs
   diffs = placement.map_where_they_live(
       lambda new, old, dtype: new.astype(dtype) - old.astype(dtype),
       [outs[i].first for i in mastered], [leaves[i].param for i in mastered],
-      static=[plan.leaves[i].master_dtype for i in mastered])
+      static=[plan.leaves[i].master.update_dtype for i in mastered])
   outs = list(outs)
   for i, d in zip(mastered, diffs):
     outs[i] = outs[i]._replace(first=d)

@@ -68,13 +68,19 @@ class LeafPlan:
     tier: ``"device"``, ``"host_state"``, ``"host"`` or ``"disk"``
       (:mod:`optax_hybrid.tiers`).
     param_kind: the memory kind the param lives in.
+    param_dtype: the param's dtype (what a master format's kept values are
+      read against when a checkpoint is restored across formats).
     state_kind: the memory kind of the in-memory state: the rule's fields,
       and the master copy (for the disk tier, whose fields are files, the master).
     dtypes: the storage dtype of each field of the rule (:attr:`Plan.fields`);
       for 8-bit storage, the dtype of their values (float32).
     quantized: the fields are stored 8-bit block-wise (codes and per-block
       scales: :mod:`optax_hybrid.kernels.quantized`).
-    master_dtype: the master copy's dtype, or None when the leaf keeps none.
+    master: the leaf's master format (:class:`optax_hybrid.masters.MasterFormat`),
+      or None when it has none (no ``master=``, or a param it does not apply to).
+    master_dtype: the dtype of what the master format keeps in the state's
+      ``master`` entry (a float32 copy, a Kahan term in the param's dtype), or
+      None when it keeps nothing there (no master, or ``"stochastic"``).
     decay: does the leaf take weight decay (the mask, resolved once)?
     state_sharding: the multi-device ``NamedSharding`` of the state (device
       memory kind), else None (one device, or params ``init`` saw traced).
@@ -93,7 +99,7 @@ class LeafPlan:
     streamed: the leaf's data crosses the bus each step, in stages
       (``host_state`` and ``host``).
     group: the key of the leaves that run together: ``(runs_on, stage,
-      has a master)``.
+      master format)``.
     state_space, param_space: the memory spaces (:data:`optax_hybrid._compat.DEVICE`
       or ``HOST``) that the step types the state and the param with.
   """
@@ -104,6 +110,8 @@ class LeafPlan:
   state_kind: str
   dtypes: tuple = ()
   master_dtype: Any = None
+  master: Any = None
+  param_dtype: Any = None
   decay: bool = False
   state_sharding: Any = None
   gather_to: Any = None
@@ -129,8 +137,8 @@ class LeafPlan:
         # Its data crosses the bus each step, in stages.
         "streamed": self.tier in (tiers_lib.HOST_STATE_TIER, tiers_lib.HOST_TIER),
     }
-    # The leaves that run together: same place, same stage, master or not.
-    derived["group"] = (derived["runs_on"], self.stage, self.master_dtype is not None)
+    # The leaves that run together: same place, same stage, same master format (or none).
+    derived["group"] = (derived["runs_on"], self.stage, self.master)
     for name, value in derived.items():
       object.__setattr__(self, name, value)
 
@@ -219,7 +227,7 @@ class Plan:
 def keeps(leaf: LeafPlan, field: str) -> bool:
   """Whether ``leaf`` keeps an array in the state's params-shaped ``field`` (else an empty entry)."""
   if field == "master":
-    return leaf.master_dtype is not None
+    return leaf.master_dtype is not None  # a master format that keeps something
   if leaf.on_disk:
     return False
   return leaf.quantized or not field.endswith("_scales")
@@ -248,6 +256,7 @@ def make_plan(params: Any, rule: Any, options: Options) -> Plan:
   static_zeros = rule.static_zeros()
   decays = ([False] * len(with_paths) if rule.decay is None or "weight_decay" in static_zeros
             else mask_leaves(options.mask, params, jax.tree.structure(params), owner))
+  master = storage.master_format
   leaves = []
   for (key_path, p), tier, kind, decay in zip(with_paths, tiers, kinds, decays):
     if tier == tiers_lib.DISK_TIER and len(placement.devices_of(p)) > 1:
@@ -258,13 +267,15 @@ def make_plan(params: Any, rule: Any, options: Options) -> Plan:
     if where.shard_state_over is not None and tier != tiers_lib.DISK_TIER:
       zero1 = tiers_lib.zero1_sharding(p, where.shard_state_over, owner)
     state_sharding = tiers_lib.device_sharding_of(p, zero1)
+    leaf_master = master if master is not None and master.applies_to(p.dtype) else None
     quantize = storage.quantized and bool(rule.fields) and quantized.quantizable(
         np.shape(p), p.dtype, _last_axis_shards(state_sharding, np.ndim(p)))
     leaves.append(LeafPlan(
         path=jax.tree_util.keystr(key_path) or "<root>", tier=tier, param_kind=placement.param_memory_kind(p),
         state_kind=kind, dtypes=field_dtypes(p.dtype, rule, storage, key_path, owner),
-        master_dtype=np.dtype(storage.master_dtype) if tiers_lib.master_needed(p.dtype, storage.master_dtype)
-        else None, decay=decay, state_sharding=state_sharding, gather_to=None if zero1 is None else p.sharding,
+        master=leaf_master, master_dtype=None if leaf_master is None else leaf_master.stored_dtype(p.dtype),
+        param_dtype=np.dtype(p.dtype),
+        decay=decay, state_sharding=state_sharding, gather_to=None if zero1 is None else p.sharding,
         quantized=quantize))
   leaves = assign_stages(leaves, [np.shape(p) for _, p in with_paths])
   split, mesh = _split([leaf.state_sharding for leaf in leaves if leaf.runs_on == "device"])
@@ -273,7 +284,7 @@ def make_plan(params: Any, rule: Any, options: Options) -> Plan:
 
 
 def state_bytes(leaf: LeafPlan, shape: Sequence[int]) -> int:
-  """Bytes of a leaf's state that a step moves: every field of the rule, and the master if any."""
+  """Bytes of a leaf's state that a step moves: every field of the rule, and what its master keeps, if any."""
   n = int(np.prod(shape))
   master = 0 if leaf.master_dtype is None else n * np.dtype(leaf.master_dtype).itemsize
   if leaf.quantized:

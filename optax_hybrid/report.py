@@ -31,7 +31,7 @@ OTHER_STATE = "other_state"
 COMPONENTS = ("params", "gradients", "moments", "master_weights", "other_state")
 # A rule's state fields shaped like the params are the state attached to each
 # param: the rule's fields (Adam's mu and nu...) count as "moments", "master"
-# (an fp32 copy of low-precision params, where the optimizer keeps one) as
+# (an fp32 copy of low-precision params, or their Kahan terms, where the optimizer keeps one) as
 # "master_weights"; an empty entry stands where a leaf keeps nothing, as for
 # the fields of disk-tier leaves, whose values are the plan's files. 8-bit
 # fields keep their codes in the field and their per-block scales, shaped

@@ -209,7 +209,10 @@ def device_sharding_of(x: Any, override: Any = None) -> Any:
 
 
 def master_needed(param_dtype: Any, master_dtype: Any) -> bool:
-  """Does a leaf of ``param_dtype`` keep a master copy in ``master_dtype``? Only for lower-precision floats."""
+  """Does a leaf of ``param_dtype`` keep a master copy in ``master_dtype``? Only for lower-precision floats.
+
+  (A master format of :mod:`optax_hybrid.masters` says it with ``applies_to``.)
+  """
   if master_dtype is None:
     return False
   param_dtype = np.dtype(param_dtype)

@@ -98,11 +98,11 @@ def optimizer(rule: UpdateRule, learning_rate: Any, *, mask: Any = None, **optio
 def building_block(rule: UpdateRule, *, mask: Any = None, **options: Any) -> optax.GradientTransformationExtraArgs:
   """``rule``'s direction without the learning rate (run at -1), for users who compose their own chain.
 
-  Master weights need the learning rate inside the step, so ``master_dtype``
-  is not an option here; nor is the fused ``step``.
+  Master weights need the learning rate inside the step, so ``master`` and
+  ``master_dtype`` are not options here; nor is the fused ``step``.
   """
   rule.check()
-  accepted = tuple(name for name in OPTION_NAMES if name != "master_dtype")
+  accepted = tuple(name for name in OPTION_NAMES if name not in ("master", "master_dtype"))
   tx = _engine(rule, -1.0, make_options(rule.owner, rule, mask=mask, accepted=accepted, **options))
   return optax.GradientTransformationExtraArgs(tx.init, tx.update)
 
@@ -138,7 +138,7 @@ def _state_of_placeholder(placeholder: Any, rule: UpdateRule, o: Options) -> Any
 
   ``tree_map_params`` maps its function over every field where this state
   holds the placeholder, and ``transform_non_params`` over the others: the
-  rule's fields, (with ``master_dtype``) ``master`` and (with 8-bit storage)
+  rule's fields, (with a master format that keeps something) ``master`` and (with 8-bit storage)
   the scales are the params-shaped fields; ``count``, ``skipped`` and the
   static ``plan`` are not.
   """
@@ -147,7 +147,13 @@ def _state_of_placeholder(placeholder: Any, rule: UpdateRule, o: Options) -> Any
   if o.storage.quantized:
     fields.update({f.name + "_scales": placeholder for f in rule.fields})
   return _make_state(rule, count=count, skipped=count, plan=_NO_PLAN,
-                     master=None if o.storage.master_dtype is None else placeholder, **fields)
+                     master=placeholder if _keeps_masters(o) else None, **fields)
+
+
+def _keeps_masters(o: Options) -> bool:
+  """Whether the state has a ``master`` tree: a master format that keeps something (not ``"stochastic"``)."""
+  master = o.storage.master_format
+  return master is not None and master.keeps
 
 
 def _leaf_state(param: Any, lp: LeafPlan, plan: Plan, initial: tuple, with_master: bool) -> dict:
@@ -186,9 +192,13 @@ def _leaf_state(param: Any, lp: LeafPlan, plan: Plan, initial: tuple, with_maste
       out[field.name] = placed(dtype, fill)
       # A donated step must not get one buffer twice: an empty entry per scales field.
       out[field.name + "_scales"] = empty(quantized.SCALE_DTYPE)
-  if lp.master_dtype is not None:
-    out["master"] = (placement.copy_placed(param, lp.master_dtype, lp.state_kind) if split is None
-                     else placement.placed_with(param, shape, lp.master_dtype, split, abstract=abstract))
+  if lp.master_dtype is not None:  # what the master format keeps: a copy of the param, or zeros
+    initial_master = lp.master.initial(param)
+    if initial_master is None:
+      out["master"] = placed(lp.master_dtype)
+    else:
+      out["master"] = (placement.copy_placed(initial_master, lp.master_dtype, lp.state_kind) if split is None
+                       else placement.placed_with(initial_master, shape, lp.master_dtype, split, abstract=abstract))
   elif with_master:
     out["master"] = empty(param.dtype)
   return out
@@ -234,7 +244,7 @@ def _init(params: Any, rule: UpdateRule, o: Options, disk_store: list, stepped_r
     if not disk_store or disk_store[0].closed:
       disk_store[:] = [disk.DiskStore(o.placement.nvme_offload_dir)]
     plan = _with_disk_files(plan, param_leaves, disk_store[0], initial)
-  with_master = o.storage.master_dtype is not None
+  with_master = _keeps_masters(o)
   per_leaf = [_leaf_state(p, lp, plan, initial, with_master) for p, lp in zip(param_leaves, plan.leaves)]
   names = [f.name for f in rule.fields] + ([f.name + "_scales" for f in rule.fields] if o.storage.quantized else [])
   fields = {n: treedef.unflatten([leaf[n] for leaf in per_leaf]) for n in names + ["master"] * with_master}

@@ -119,6 +119,15 @@ def restore_masters(masters_from=None, params_like=PARAMS_BF16):
   return optax_hybrid.checkpoint.restore(manager, like=like, **kw)
 
 
+def restore_other_master_format():
+  """Restores a checkpoint saved with float32 master weights into a state that keeps Kahan terms."""
+  manager = empty_manager()
+  optax_hybrid.checkpoint.save(manager, 1, {"params": PARAMS_BF16, "opt": hybrid(master="float32").init(PARAMS_BF16)},
+                               wait=True)
+  like = {"params": PARAMS_BF16, "opt": hybrid(master="kahan").init(PARAMS_BF16)}
+  return optax_hybrid.checkpoint.restore(manager, like=like)
+
+
 def disk_state_without_its_plan(restore=False):
   """A disk-tier state as a plain dict (as nnx.state gives it): the plan naming its files is left out."""
   tx = hybrid(tiers="disk")
@@ -197,6 +206,8 @@ TRIGGERS = {
     "master-dtype": lambda: hybrid(master_dtype=jnp.complex64),
     "master-needs-params": lambda: hybrid(master_dtype=jnp.float32, weight_decay=0.0).update(
         GRADS_BF16, hybrid(master_dtype=jnp.float32, weight_decay=0.0).init(PARAMS_BF16)),
+    "master-name": lambda: hybrid(master="bf16"),
+    "master-both": lambda: hybrid(master="kahan", master_dtype=jnp.float32),
     "nvme-dir-missing": lambda: hybrid(nvme_offload_fraction=0.5, nvme_offload_dir="/nonexistent/optax_hybrid"),
     "nvme-dir-not-dir": lambda: hybrid(nvme_offload_fraction=0.5, nvme_offload_dir=tmp_file()),
     "nvme-closed": closed_disk_state,
@@ -241,6 +252,7 @@ TRIGGERS = {
     "checkpoint-master-missing": restore_masters,
     "checkpoint-disk-without-plan": disk_state_without_its_plan,
     "checkpoint-restore-disk-without-plan": lambda: disk_state_without_its_plan(restore=True),
+    "checkpoint-master-format": restore_other_master_format,
     "checkpoint-masters-from-param": lambda: restore_masters(lambda restored: {"w": restored["params"]["w"]}),
     "checkpoint-masters-from-type": lambda: restore_masters("params"),
     "checkpoint-unreadable": lambda: optax_hybrid.checkpoint.restore(manager_with_unreadable_steps(1),

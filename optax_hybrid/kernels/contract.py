@@ -30,16 +30,21 @@ from optax_hybrid import _compat
 
 
 class LeafOperands(NamedTuple):
-  """One leaf's arrays for a step: the gradient, the rule's state, and the param (or its master) if read.
+  """One leaf's arrays for a step: the gradient, the rule's state, the param if read, and its master's operand.
 
   ``state`` holds one value per field of the rule (``(mu, nu)`` for Adam), each
   an array in its storage dtype or an 8-bit
-  :class:`~optax_hybrid.kernels.quantized.QuantizedMoment`.
+  :class:`~optax_hybrid.kernels.quantized.QuantizedMoment`. With a master
+  format (:attr:`Step.master`), ``master`` is what the format gives the kernel
+  (:meth:`optax_hybrid.masters.MasterFormat.operand`: what it keeps, or a
+  seed), and ``param`` is None where the format does not read the param (a
+  float32 copy stands in for it).
   """
 
   grad: jax.Array
   state: tuple
   param: jax.Array | None = None
+  master: Any = None
 
 
 class LeafFacts(NamedTuple):
@@ -56,10 +61,15 @@ class LeafFacts(NamedTuple):
 
 
 class LeafResult(NamedTuple):
-  """One leaf's results: the update (or the new param), and the new state in its storage formats."""
+  """One leaf's results: the update (or the new param), the new state in its storage formats, the new master.
+
+  ``master`` is what the master format keeps after the step (None without
+  one, or for a format that keeps nothing).
+  """
 
   first: jax.Array
   state: tuple
+  master: Any = None
 
 
 class Step(NamedTuple):
@@ -71,17 +81,23 @@ class Step(NamedTuple):
     write_params: return the new param ``p + u`` (rounded once) instead of ``u``.
     fields: ``rule.fields``, and ``decay``: ``rule.decay``, read once for all
       the leaves.
+    master: the leaves' master format (:class:`optax_hybrid.masters.MasterFormat`),
+      or None: the step then reads each leaf's float32 value from its param and
+      master operand and writes the new param and master through the format
+      (:func:`optax_hybrid.kernels.reference.master_update`); ``write_params``
+      is True and each leaf's ``out_dtype`` is its param's dtype.
   """
 
   rule: Any
   write_params: bool
   fields: tuple
   decay: str | None
+  master: Any = None
 
 
-def step_of(rule: Any, write_params: bool = False) -> Step:
-  """The :class:`Step` of ``rule``."""
-  return Step(rule, write_params, rule.fields, rule.decay)
+def step_of(rule: Any, write_params: bool = False, master: Any = None) -> Step:
+  """The :class:`Step` of ``rule`` (with ``master``, a master format: ``write_params`` is implied)."""
+  return Step(rule, write_params or master is not None, rule.fields, rule.decay, master)
 
 
 # Storage dtypes the custom kernels have loops for.

@@ -158,6 +158,11 @@ def implements(rule: Any) -> bool:
   return rule.name == "adam" and not rule.nesterov and not rule.uses_eps_root
 
 
+def implements_master(master: Any) -> bool:
+  """The master formats the C++ loops take: none, or a copy stepped as the param (``steps_as_param``)."""
+  return master is None or master.steps_as_param
+
+
 # The scalars the C++ reads, in this order (then the skip flag): AdamW's.
 SCALARS = ("learning_rate", "b1", "b2", "eps", "weight_decay", "bias_correction1", "bias_correction2_sqrt")
 
@@ -249,13 +254,20 @@ def update_leaves(
   """The kernel contract (:mod:`optax_hybrid.kernels.contract`); one custom call per 64 supported leaves.
 
   Leaves of a rule it does not implement (:func:`implements`) and leaves it
-  has no loop for take the reference rule in the same step.
+  has no loop for take the reference rule in the same step. Of the master
+  formats (:mod:`optax_hybrid.masters`) it takes a float32 copy (stepped as
+  the param, the new param rounded beside it:
+  :func:`reference.with_master_as_param`); ``"kahan"`` and ``"stochastic"``
+  leaves take the reference (:func:`implements_master`).
   ``direct=True`` emits the custom call without ``lax.platform_dependent``:
   for host compute on the CPU backend, where the platform is known and a
   ``platform_dependent`` would type its branches' outputs inconsistently.
   """
-  if not _load() or not implements(step.rule):
+  if not _load() or not implements(step.rule) or not implements_master(step.master):
     return reference.update_leaves(leaves, facts, s, step)
+  if step.master is not None:
+    return reference.with_master_as_param(lambda l, f, plain: update_leaves(l, f, s, plain, direct=direct),
+                                          leaves, facts, step)
 
   def run_native(leaves, facts):
     on_cpu = lambda leaves: contract.in_chunks(lambda l, f: _native_call(l, f, s, step), leaves, facts,

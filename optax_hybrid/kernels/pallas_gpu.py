@@ -94,9 +94,16 @@ def supports(leaf: contract.LeafOperands, fact: contract.LeafFacts) -> bool:
   (:class:`~optax_hybrid.kernels.quantized.QuantizedMoment`) with a last axis
   that is a whole number of quantization blocks (a multiple of
   ``quantized.BLOCK_SIZE`` = 256). An 8-bit leaf whose rows end in a shorter
-  block takes the reference rule, in the same step.
+  block takes the reference rule, in the same step, and so does an 8-bit leaf
+  with a ``"kahan"`` or ``"stochastic"`` master (the 8-bit tiles share one
+  body without master formats).
   """
   dtypes = [leaf.grad.dtype, fact.out_dtype] + ([] if leaf.param is None else [leaf.param.dtype])
+  if leaf.master is not None:
+    if _is_quantized(leaf):
+      return False
+    if jnp.issubdtype(leaf.master.dtype, jnp.floating):  # what the format keeps (a seed is uint32)
+      dtypes.append(leaf.master.dtype)
   if _is_quantized(leaf):
     if not all(isinstance(m, quantized.QuantizedMoment) for m in leaf.state):
       return False
@@ -119,7 +126,7 @@ def _parts(value) -> list:
 
 def _pointers(leaf: contract.LeafOperands) -> int:
   """Buffers a leaf passes to a launch: its inputs, and as many outputs less the param."""
-  n_in = 1 + sum(len(_parts(x)) for x in leaf.state) + (leaf.param is not None)
+  n_in = 1 + sum(len(_parts(x)) for x in leaf.state) + (leaf.param is not None) + (leaf.master is not None)
   return 2 * n_in - (leaf.param is not None)
 
 
@@ -143,7 +150,8 @@ class _Slots(NamedTuple):
   grad: int
   state: list  # per field, one operand index per part (an array, or codes and scales)
   param: int | None
-  first_out: int  # index of its first result; the fields' parts follow
+  first_out: int  # index of its first result; the fields' parts follow, then a kept master
+  master: int | None = None  # the master format's operand: what it keeps, or a seed
 
 
 class _Layout(NamedTuple):
@@ -171,14 +179,19 @@ def _layout(leaves, facts, scalars, step, block_size, rows_per_program) -> _Layo
     if leaf.param is not None:
       param = len(operands)
       operands.append(leaf.param)
-    slot = _Slots(grad, state, param, len(out_shapes))
+    master = None
+    if leaf.master is not None:
+      master = len(operands)
+      operands.append(leaf.master)
+    slot = _Slots(grad, state, param, len(out_shapes), master)
     # The new param overwrites the old one; an update may overwrite its gradient.
     if step.write_params:
       aliases[param] = slot.first_out
     elif np.dtype(leaf.grad.dtype) == np.dtype(fact.out_dtype):
       aliases[grad] = slot.first_out
     out_shapes.append(jax.ShapeDtypeStruct(leaf.grad.shape, fact.out_dtype))
-    for index in [k for parts in state for k in parts]:  # every state array (codes, scales) is updated in place
+    kept = [master] if master is not None and step.master.keeps else []
+    for index in [k for parts in state for k in parts] + kept:  # every state array is updated in place
       aliases[index] = len(out_shapes)
       out_shapes.append(jax.ShapeDtypeStruct(operands[index].shape, operands[index].dtype))
     slots.append(slot)
@@ -197,18 +210,25 @@ def _launch(leaves, facts, s, step, *, interpret, block_size, rows_per_program, 
     scalars = type(s)(**{**dict.fromkeys(s._fields), **{n: s_ref[k] for k, n in enumerate(names)}})
     ok = s_ref[len(names)] != 0
 
-    def rule_step(g, state, p, scalars, *, decay, update_dtype):
-      """The rule on one tile; a skipped step keeps every state array (codes and scales included)."""
-      first, new = reference.leaf_update(step, g, state, p, scalars, decay=decay, update_dtype=update_dtype)
+    def rule_step(g, state, p, scalars, *, decay, update_dtype, master=None, offset=0):
+      """The rule on one tile: ``(first, state, master)``; a skipped step keeps every stored array."""
+      if step.master is None:
+        first, new = reference.leaf_update(step, g, state, p, scalars, decay=decay, update_dtype=update_dtype)
+        new_master = None
+      else:  # the tile's elements start at flat position `offset` of the leaf
+        first, new, new_master = reference.master_update(step, g, state, p, master, scalars, decay=decay,
+                                                         update_dtype=update_dtype, offset=offset)
       if skips:
         first = jnp.where(ok, first, p if step.write_params else jnp.zeros_like(first))
         new = jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, tuple(state))
-      return first, new
+        new_master = None if new_master is None else jnp.where(ok, new_master, master)
+      return first, new, new_master
 
     program = pl.program_id(0)
     for i, leaf in enumerate(leaves):
       if i not in eight_bit:
-        _float_body(i, leaf, facts[i], layout, refs, outs, program, rule_step, scalars, block_size)
+        _float_body(i, leaf, facts[i], layout, refs, outs, program, rule_step, scalars, block_size,
+                    kept=step.master is not None and step.master.keeps)
     if eight_bit:
       _eight_bit_body(eight_bit, leaves, facts, layout, refs, outs, program, rule_step, scalars, step,
                       rows_per_program)
@@ -229,11 +249,13 @@ def _launch(leaves, facts, s, step, *, interpret, block_size, rows_per_program, 
     value = lambda like: (quantized.QuantizedMoment(next(parts), next(parts))
                           if isinstance(like, quantized.QuantizedMoment) else next(parts))
     first = outs[slot.first_out]
-    results.append(contract.LeafResult(first, tuple(value(x) for x in leaf.state)))
+    state = tuple(value(x) for x in leaf.state)
+    results.append(contract.LeafResult(first, state, next(parts) if step.master is not None and step.master.keeps
+                                       else None))
   return results
 
 
-def _float_body(i, leaf, fact, layout, refs, outs, program, rule_step, scalars, block_size) -> None:
+def _float_body(i, leaf, fact, layout, refs, outs, program, rule_step, scalars, block_size, kept) -> None:
   """A float-state leaf's block: a body per leaf, each with its own static dtypes and decay."""
   slot, size, starts = layout.slots[i], int(leaf.grad.shape[0]), layout.starts
 
@@ -244,9 +266,12 @@ def _float_body(i, leaf, fact, layout, refs, outs, program, rule_step, scalars, 
     inside = offset + jnp.arange(block_size, dtype=jnp.int32) < size
     load = lambda k: pl_triton.load(refs[k].at[block], mask=inside, other=0)
     p = None if slot.param is None else load(slot.param)
-    first, new = rule_step(load(slot.grad), tuple(load(parts[0]) for parts in slot.state), p, scalars,
-                           decay=fact.decay, update_dtype=fact.out_dtype)
-    for k, value in enumerate((first, *new)):
+    master = None
+    if slot.master is not None:  # what the format keeps, tiled like the leaf; or a seed, read whole
+      master = load(slot.master) if kept else refs[slot.master][...]
+    first, new, new_master = rule_step(load(slot.grad), tuple(load(parts[0]) for parts in slot.state), p, scalars,
+                                       decay=fact.decay, update_dtype=fact.out_dtype, master=master, offset=offset)
+    for k, value in enumerate((first, *new) + (() if new_master is None else (new_master,))):
       pl_triton.store(outs[slot.first_out + k].at[block], value, mask=inside)
 
 
@@ -292,8 +317,8 @@ def _eight_bit_body(eight_bit, leaves, facts, layout, refs, outs, program, rule_
     if decay:
       decays = pick([1.0 if facts[i].decay else 0.0 for i in eight_bit], jnp.float32)
       tile_scalars = scalars._replace(weight_decay=scalars.weight_decay * decays)
-    first, new = rule_step(g, state, p if reads_param else None, tile_scalars, decay=decay,
-                           update_dtype=jnp.float32)
+    first, new, _ = rule_step(g, state, p if reads_param else None, tile_scalars, decay=decay,
+                              update_dtype=jnp.float32)
 
     def storer(slot, fact):
       def store():
@@ -307,17 +332,19 @@ def _eight_bit_body(eight_bit, leaves, facts, layout, refs, outs, program, rule_
     jax.lax.switch(leaf_index, [storer(slots[i], facts[i]) for i in eight_bit])
 
 
-def _kernel_view(leaf: contract.LeafOperands) -> contract.LeafOperands:
+def _kernel_view(leaf: contract.LeafOperands, kept: bool) -> contract.LeafOperands:
   """A leaf as the kernel indexes it: flat (1-D), or for 8-bit state rows of one quantization block.
 
   An 8-bit leaf of shape ``(..., L)`` (``L`` a multiple of 256) becomes
   ``(size / 256, 256)`` tiles (grad, param, codes) and ``(size / 256,)``
   scales: row ``r`` is block ``r`` in row-major order, whose scale is
-  ``scales.reshape(-1)[r]``.
+  ``scales.reshape(-1)[r]``. What a master format keeps (``kept``) is
+  flattened with the leaf; a random format's seed is passed as it is.
   """
   if not _is_quantized(leaf):
     flat = lambda x: None if x is None else x.reshape(-1)
-    return contract.LeafOperands(flat(leaf.grad), tuple(flat(x) for x in leaf.state), flat(leaf.param))
+    master = flat(leaf.master) if kept else leaf.master  # what a master keeps is tiled like the leaf; a seed is not
+    return contract.LeafOperands(flat(leaf.grad), tuple(flat(x) for x in leaf.state), flat(leaf.param), master)
   rows = lambda x: None if x is None else x.reshape(-1, quantized.BLOCK_SIZE)
   value = lambda q: quantized.QuantizedMoment(rows(q.codes), q.scales.reshape(-1))
   return contract.LeafOperands(rows(leaf.grad), tuple(value(x) for x in leaf.state), rows(leaf.param))
@@ -325,7 +352,7 @@ def _kernel_view(leaf: contract.LeafOperands) -> contract.LeafOperands:
 
 def _run(leaves, facts, s, step, *, interpret, block_size, rows_per_program, num_warps):
   """Every leaf in its kernel view, one launch per group (:func:`_launch_groups`), results reshaped back."""
-  views = [_kernel_view(leaf) for leaf in leaves]
+  views = [_kernel_view(leaf, step.master is not None and step.master.keeps) for leaf in leaves]
   launch = functools.partial(_launch, s=s, step=step, interpret=interpret, block_size=block_size,
                              rows_per_program=rows_per_program, num_warps=num_warps)
   results = []
@@ -333,7 +360,8 @@ def _run(leaves, facts, s, step, *, interpret, block_size, rows_per_program, num
     results += launch(views[group], list(facts[group]))
   shaped = lambda x, like: x.reshape(like.shape)
   return [contract.LeafResult(result.first.reshape(leaf.grad.shape), jax.tree.map(shaped, result.state,
-                                                                                  tuple(leaf.state)))
+                                                                                  tuple(leaf.state)),
+                              None if result.master is None else result.master.reshape(leaf.grad.shape))
           for leaf, result in zip(leaves, results)]
 
 
@@ -364,6 +392,10 @@ def update_leaves(
       raise ValueError(f"pallas kernel: `{name}` must be a positive power of two, got {value}.")
   if not implements(step.rule):
     return reference.update_leaves(leaves, facts, s, step)
+  if step.master is not None and step.master.steps_as_param:  # a float32 copy: stepped as the param
+    return reference.with_master_as_param(
+        lambda l, f, plain: update_leaves(l, f, s, plain, block_size=block_size, rows_per_program=rows_per_program,
+                                          num_warps=num_warps), leaves, facts, step)
 
   def run_pallas(leaves, facts):
     run = functools.partial(_run, facts=facts, s=s, step=step, block_size=block_size,

@@ -13,7 +13,10 @@ where :math:`s` are the rule's fields decoded from their storage (8-bit
 block-wise codes are dequantized) and :math:`s'` is stored back in the same
 format; the new parameter is :math:`p + u`, added in float32 and rounded once
 (``write_params``); a skipped step (``step_ok`` False) keeps every stored value
-and gives a zero update. ``kernel="xla"`` is this module.
+and gives a zero update. With a master format (:mod:`optax_hybrid.masters`),
+:math:`p` is the float32 value the format reads from the param and what it
+keeps, and the format writes :math:`p + u` back to both
+(:func:`master_update`). ``kernel="xla"`` is this module.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from optax_hybrid import _compat
+from optax_hybrid import _compat, masters
 from optax_hybrid.kernels import quantized
 from optax_hybrid.kernels.contract import LeafFacts, LeafOperands, LeafResult, Step
 from optax_hybrid.rules import DECOUPLED, L2
@@ -73,6 +76,50 @@ def leaf_update(step: Step, grad: jax.Array, state: Sequence[Stored], param: jax
     keep = lambda old, new: lax.select_n(s.step_ok, old, new)
     first, new = keep(unchanged, first), jax.tree.map(keep, tuple(state), new)
   return first, new
+
+
+def master_update(step: Step, grad: jax.Array, state: Sequence[Stored], param: jax.Array | None, master: Any,
+                  s: Any, *, decay: bool, update_dtype: Any, offset: Any = 0) -> tuple[jax.Array, tuple, Any]:
+  """One leaf's step through its master format ``step.master``: ``(new param, new state, new master)``.
+
+  The format reads the float32 value ``w`` from ``param`` and ``master`` (its
+  kernel operand), :func:`leaf_update` steps ``w`` (the fused apply, in
+  float32), and the format writes the new value back: the new param in
+  ``update_dtype`` (the param's dtype) and what it keeps (None if nothing).
+  A random format draws its bits at the elements' flat positions in the leaf,
+  ``offset`` being the first one's (a kernel's tile passes its own), so every
+  kernel gets the same bits. A skipped step keeps the param and the master.
+  """
+  fmt = step.master
+  value = fmt.value(param, master)
+  plain = step._replace(write_params=True, master=None)
+  new_value, new_state = leaf_update(plain, grad, state, value, s, decay=decay, update_dtype=value.dtype)
+  where = masters.positions(grad, offset) if fmt.random else None
+  first, new_master = fmt.write(new_value, update_dtype, master, where)
+  if s.step_ok is not None:
+    keep = lambda old, new: lax.select_n(s.step_ok, old, new)
+    first = keep(value.astype(update_dtype) if param is None else param, first)
+    new_master = None if new_master is None else keep(master, new_master)
+  return first, new_state, new_master
+
+
+def with_master_as_param(run: Callable[[list, list, Step], list], leaves: Sequence[LeafOperands],
+                         facts: Sequence[LeafFacts], step: Step) -> list[LeafResult]:
+  """A master format that keeps the whole value (``steps_as_param``: a float32 copy) on a kernel without formats.
+
+  ``run(leaves, facts, step)`` steps each leaf's copy as its param (the fused
+  apply, in the copy's dtype); the format then writes the new param beside it
+  (rounded to the param's dtype): the bits of :func:`master_update`.
+  """
+  fmt = step.master
+  copies = [LeafOperands(leaf.grad, leaf.state, leaf.master) for leaf in leaves]
+  results = run(copies, [fact._replace(out_dtype=leaf.master.dtype) for leaf, fact in zip(leaves, facts)],
+                step._replace(master=None, write_params=True))
+  out = []
+  for leaf, fact, r in zip(leaves, facts, results):
+    param, master = fmt.write(r.first, fact.out_dtype, leaf.master, None)
+    out.append(LeafResult(param, r.state, master))
+  return out
 
 
 def _values(stored: Stored, dtype, *, signed: bool) -> jax.Array:
@@ -132,9 +179,12 @@ def update_leaves(
           for leaf, fact in zip(leaves, facts)]
 
 
-def _whole(leaf: LeafOperands, fact: LeafFacts, s: Any, step: Step) -> LeafResult:
-  return LeafResult(*leaf_update(step, leaf.grad, leaf.state, leaf.param, s, decay=fact.decay,
-                                 update_dtype=fact.out_dtype))
+def _whole(leaf: LeafOperands, fact: LeafFacts, s: Any, step: Step, offset: Any = 0) -> LeafResult:
+  if step.master is None:
+    return LeafResult(*leaf_update(step, leaf.grad, leaf.state, leaf.param, s, decay=fact.decay,
+                                   update_dtype=fact.out_dtype))
+  return LeafResult(*master_update(step, leaf.grad, leaf.state, leaf.param, leaf.master, s, decay=fact.decay,
+                                   update_dtype=fact.out_dtype, offset=offset))
 
 
 # Values of a leaf with 8-bit storage that the rule updates at once. XLA keeps
@@ -157,25 +207,29 @@ def _in_row_slices(leaf: LeafOperands, fact: LeafFacts, s: Any, step: Step) -> L
   """:func:`leaf_update` over slices of rows (blocks never cross a row), written in place.
 
   The loop carries the results, initialized with the buffers they replace
-  (the state, and the param when it is overwritten), and reads those operands
-  from the carry so that XLA updates them in place instead of copying them.
+  (the state, the param when it is overwritten, what a master keeps), and
+  reads those operands from the carry so that XLA updates them in place
+  instead of copying them.
   """
   shape = leaf.grad.shape
   rows_total = leaf.grad.size // shape[-1]
   rows = max(1, SLICE_VALUES // shape[-1])
-  as_rows = lambda x: x.reshape(rows_total, x.shape[-1])
-  ops = jax.tree.map(as_rows, leaf)
-  if step.write_params:
+  as_rows = lambda x: None if x is None else jax.tree.map(lambda a: a.reshape(rows_total, a.shape[-1]), x)
+  kept = step.master is not None and step.master.keeps  # else the master operand is None or a seed
+  ops = LeafOperands(as_rows(leaf.grad), as_rows(tuple(leaf.state)), as_rows(leaf.param),
+                     as_rows(leaf.master) if kept else leaf.master)
+  if step.write_params and ops.param is not None:
     first = ops.param.astype(fact.out_dtype)
   else:
     first = _compat.zeros_like(ops.grad).astype(fact.out_dtype)
-  out = LeafResult(first, ops.state)
+  out = LeafResult(first, ops.state, ops.master if kept else None)
 
   def update_rows(start, size, out):
     take = lambda x: lax.dynamic_slice_in_dim(x, start, size, axis=0)
-    param = out.first if step.write_params else ops.param
-    part = LeafOperands(take(ops.grad), jax.tree.map(take, out.state), None if param is None else take(param))
-    new = _whole(part, fact, s, step)
+    param = out.first if step.write_params and ops.param is not None else ops.param
+    part = LeafOperands(take(ops.grad), jax.tree.map(take, out.state), None if param is None else take(param),
+                        take(out.master) if kept else ops.master)
+    new = _whole(part, fact, s, step, offset=start * shape[-1])
     return jax.tree.map(lambda buf, x: lax.dynamic_update_slice_in_dim(buf, x, start, axis=0), out, new)
 
   full = rows_total // rows
@@ -183,4 +237,5 @@ def _in_row_slices(leaf: LeafOperands, fact: LeafFacts, s: Any, step: Step) -> L
   if rows_total % rows:
     out = update_rows(full * rows, rows_total % rows, out)
   return LeafResult(out.first.reshape(shape), jax.tree.map(lambda x, like: x.reshape(like.shape), out.state,
-                                                           tuple(leaf.state)))
+                                                           tuple(leaf.state)),
+                    None if out.master is None else out.master.reshape(shape))

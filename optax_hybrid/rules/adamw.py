@@ -43,9 +43,12 @@ class HybridAdamState(NamedTuple):
     nu: second moments, likewise in ``nu_dtype`` (real for complex params).
     skipped: int32 scalar, the number of steps skipped for non-finite
       gradients (``skip_nonfinite=True``); they do not advance ``count``.
-    master: with ``master_dtype``, the master copy of each lower-precision
-      param (a tree shaped like the params, an empty entry where a param
-      keeps no master), placed with the leaf's moments; ``None`` otherwise.
+    master: with ``master="float32"`` (or ``master_dtype``), the master copy
+      of each lower-precision param; with ``master="kahan"``, its error term
+      in the param's dtype (:mod:`optax_hybrid.masters`): a tree shaped like
+      the params (an empty entry where a param keeps no master), placed with
+      the leaf's moments; ``None`` otherwise (``master="stochastic"`` keeps
+      nothing).
     mu_scales, nu_scales: with ``moment_format="8bit"``, the float32 per-block
       scales of each 8-bit moment (trees shaped like the params, an empty
       entry where a leaf keeps float32 moments); ``mu`` and ``nu`` then hold
@@ -223,7 +226,7 @@ def hybrid_adamw(
       :class:`~optax_hybrid.options.Placement` (``state_memory_kind``,
       ``tiers``, ``offload_fraction``, ``nvme_offload_fraction``,
       ``nvme_offload_dir``, ``shard_state_over``),
-      :class:`~optax_hybrid.options.Storage` (``moment_format``,
+      :class:`~optax_hybrid.options.Storage` (``moment_format``, ``master``,
       ``master_dtype``), :class:`~optax_hybrid.options.Execution`
       (``kernel``, ``skip_nonfinite``).
 
@@ -262,7 +265,7 @@ def hybrid_adamw(
   return transform.optimizer(rule, learning_rate, mask=_one_mask(mask, weight_decay_mask), **options)
 
 
-@takes_options(without=("master_dtype",))
+@takes_options(without=("master", "master_dtype"))
 def scale_by_hybrid_adam(
     b1: float = 0.9,
     b2: float = 0.999,
@@ -285,7 +288,7 @@ def scale_by_hybrid_adam(
   ``optax.chain(scale_by_hybrid_adam(...), optax.scale_by_learning_rate(lr))``
   equals ``hybrid_adamw(lr, ...)``. Arguments are those of
   :func:`hybrid_adamw` (master weights need the learning rate inside the
-  step, so ``master_dtype`` is only offered there).
+  step, so ``master`` and ``master_dtype`` are only offered there).
 
   Example:
     >>> import optax, optax_hybrid

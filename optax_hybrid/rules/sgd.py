@@ -93,7 +93,7 @@ def hybrid_sgd(
   Args:
     learning_rate: a float ``>= 0`` or an Optax schedule of the step count.
     momentum: the momentum ``>= 0``, or None for plain SGD (no state but the
-      step count and, with ``master_dtype``, the master copy).
+      step count and, with ``master``, what the master keeps).
     nesterov: Nesterov momentum (with ``momentum`` only).
     accumulator_dtype: dtype of the momentum buffer; ``None``: the param's dtype.
     **options: the placement, storage and kernel options of

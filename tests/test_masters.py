@@ -1,0 +1,383 @@
+"""Master weight formats (``master="float32" | "kahan" | "stochastic"``), against float64 NumPy references.
+
+* stochastic rounding: every result is one of the two neighbouring bf16/fp16
+  values (found in the full table of the dtype's values), and the mean of many
+  draws is the float32 value (unbiased);
+* the Kahan term: a bit-exact NumPy model of ``param + term`` (float32 sums,
+  ml_dtypes roundings) stepped by SGD, and the float64 sum of the steps it
+  tracks where a bf16 param alone stalls;
+* every tier and kernel gives the xla reference's bits, with float and 8-bit
+  moments; checkpoints restore across master formats; the memory report
+  counts what each keeps.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+import optax_hybrid
+from optax_hybrid import masters
+
+BF16 = np.dtype(jnp.bfloat16)
+F16 = np.dtype(jnp.float16)
+
+
+# ---------------------------------------------------------------------------
+# Options
+# ---------------------------------------------------------------------------
+
+
+def test_master_dtype_float32_is_master_float32():
+  params = {"w": jnp.linspace(-1, 1, 64, dtype=jnp.bfloat16)}
+  grads = {"w": jnp.cos(jnp.arange(64.0)).astype(jnp.bfloat16)}
+  old, new = (optax_hybrid.hybrid_adamw(1e-3, **kw) for kw in ({"master_dtype": jnp.float32}, {"master": "float32"}))
+  s_old, s_new = old.init(params), new.init(params)
+  assert s_old.plan == s_new.plan and s_new.plan.leaves[0].master == masters.FORMATS["float32"]
+  p_old, s_old = old.step(params, s_old, grads)
+  p_new, s_new = new.step(params, s_new, grads)
+  np.testing.assert_array_equal(np.asarray(p_old["w"], np.float32), np.asarray(p_new["w"], np.float32))
+  np.testing.assert_array_equal(np.asarray(s_old.master["w"]), np.asarray(s_new.master["w"]))
+
+
+@pytest.mark.parametrize("make", [optax_hybrid.hybrid_adamw, optax_hybrid.hybrid_lion, optax_hybrid.hybrid_sgd,
+                                  optax_hybrid.hybrid_adagrad])
+def test_bad_master_arguments_name_the_argument_and_the_fix(make):
+  with pytest.raises(ValueError, match=r"unknown `master`='bf16'; accepted values are 'float32', 'kahan', "
+                                       r"'stochastic' \(or None"):
+    make(1e-3, master="bf16")
+  with pytest.raises(ValueError, match=r"pass either `master` or `master_dtype`, not both"):
+    make(1e-3, master="kahan", master_dtype=jnp.float32)
+  with pytest.raises(ValueError, match=r"`master_dtype` must be a real floating dtype"):
+    make(1e-3, master_dtype=jnp.int32)
+
+
+def test_the_building_block_takes_no_master():
+  with pytest.raises(TypeError, match="unexpected keyword argument 'master'"):
+    optax_hybrid.scale_by_hybrid_adam(master="kahan")
+
+
+# ---------------------------------------------------------------------------
+# Stochastic rounding against the table of every value of the dtype
+# ---------------------------------------------------------------------------
+
+
+def _neighbours(x: np.ndarray, dtype) -> tuple[np.ndarray, np.ndarray]:
+  """The largest value of ``dtype`` <= x and the smallest >= x, from the sorted table of all its finite values."""
+  with np.errstate(invalid="ignore"):  # the NaN bit patterns
+    table = np.arange(2**16, dtype=np.uint16).view(dtype).astype(np.float64)
+  table = np.unique(table[np.isfinite(table)])
+  x = x.astype(np.float64)
+  hi = table[np.searchsorted(table, x, side="left")]
+  lo = table[np.searchsorted(table, x, side="right") - 1]
+  return lo, hi
+
+
+@pytest.mark.parametrize("dtype", [BF16, F16], ids=["bfloat16", "float16"])
+def test_stochastic_rounding_gives_a_neighbour_and_is_unbiased(dtype):
+  rng = np.random.default_rng(0)
+  # Normal values over many binades, both signs, values the dtype holds exactly, and float16 subnormals.
+  x = np.concatenate([rng.uniform(-1, 1, 3000) * 2.0 ** rng.integers(-12, 12, 3000),
+                      np.asarray([1.0, -2.0, 0.5, 0.0], np.float64),
+                      rng.uniform(-1, 1, 200) * 2.0**-20]).astype(np.float32)
+  lo, hi = _neighbours(x, dtype)
+  draws = []
+  for count in range(64):  # the seed changes with the step count
+    bits = masters.random_bits(masters.step_seed(jnp.int32(count), 7)[0], masters.positions(x.shape))
+    got = np.asarray(masters.stochastic_round(jnp.asarray(x), dtype, bits)).astype(np.float64)
+    assert np.all((got == lo) | (got == hi)), "a result that is not a neighbour"
+    draws.append(got)
+  exact = lo == hi
+  np.testing.assert_array_equal(np.stack(draws)[:, exact], np.broadcast_to(x[exact], (64, exact.sum())))
+  # Unbiased: one value drawn at 20000 positions; the mean is x within 5 standard errors.
+  for value in np.float32([1.0 + 2**-12, -3.3e-3, 0.7, 123.456]):  # none held exactly by either dtype
+    lo1, hi1 = _neighbours(np.asarray([value]), dtype)
+    n = 20000
+    bits = masters.random_bits(masters.step_seed(jnp.int32(3), 11)[0], masters.positions((n,)))
+    got = np.asarray(masters.stochastic_round(jnp.full((n,), value), dtype, bits)).astype(np.float64)
+    p_up = (float(value) - lo1[0]) / (hi1[0] - lo1[0])
+    stderr = (hi1[0] - lo1[0]) * np.sqrt(p_up * (1 - p_up) / n)
+    assert abs(got.mean() - float(value)) < 5 * stderr + 1e-12, (value, got.mean())
+
+
+def test_stochastic_rounding_passes_infinities_and_nans_through():
+  x = jnp.asarray([np.inf, -np.inf, np.nan, 1e30], jnp.float32)
+  got = np.asarray(masters.stochastic_round(x, BF16, masters.positions((4,))).astype(jnp.float32))
+  assert got[0] == np.inf and got[1] == -np.inf and np.isnan(got[2]) and np.isfinite(got[3])
+
+
+def test_random_bits_are_a_function_of_count_leaf_and_position():
+  at = lambda count, salt, shape=(8,), offset=0: np.asarray(
+      masters.random_bits(masters.step_seed(jnp.int32(count), salt)[0], masters.positions(shape, offset)))
+  np.testing.assert_array_equal(at(5, 1), at(5, 1))
+  assert not np.array_equal(at(5, 1), at(6, 1)) and not np.array_equal(at(5, 1), at(5, 2))
+  np.testing.assert_array_equal(at(5, 1, (16,))[8:], at(5, 1, (8,), offset=8))  # a tile draws its own bits
+
+
+# ---------------------------------------------------------------------------
+# Kahan: a bit-exact NumPy model, and the float64 sum it tracks
+# ---------------------------------------------------------------------------
+
+
+def _kahan_model(p0: np.ndarray, updates: list) -> tuple[np.ndarray, np.ndarray]:
+  """``param + term``: the float32 value plus the step, rounded to bf16, and what rounding dropped, in bf16."""
+  p, c = p0.astype(BF16), np.zeros(p0.shape, BF16)
+  for u in updates:
+    w = (p.astype(np.float32) + c.astype(np.float32)) + u.astype(np.float32)
+    p = w.astype(BF16)
+    c = (w - p.astype(np.float32)).astype(BF16)
+  return p, c
+
+
+@pytest.mark.parametrize("master", ["kahan", "stochastic", None])
+def test_small_sgd_steps_accumulate_against_the_float64_sum(master):
+  # Steps of 1e-4 on params near 1: far below half a bf16 unit (2**-8), so a
+  # bf16 param alone never moves, and the formats must carry them.
+  n, steps, lr = 4096, 150, 1e-4
+  p0 = np.full(n, 1.0, np.float32)
+  g = np.random.default_rng(1).uniform(0.5, 1.5, n).astype(np.float32)
+  tx = optax_hybrid.hybrid_sgd(lr, master=master, kernel="xla")
+  params = {"w": jnp.asarray(p0, jnp.bfloat16)}
+  state = tx.init(params)
+  step = jax.jit(tx.step)
+  for _ in range(steps):
+    params, state = step(params, state, {"w": jnp.asarray(g, jnp.bfloat16)})
+  g_bf16 = g.astype(BF16).astype(np.float64)
+  exact = p0.astype(np.float64) - steps * lr * g_bf16  # float64: the sum of the steps
+  got = np.asarray(params["w"]).astype(np.float64)
+  if master is None:
+    np.testing.assert_array_equal(got, p0)  # the stall every format must avoid
+  elif master == "kahan":
+    want_p, want_c = _kahan_model(p0, [np.float32(-lr) * g.astype(BF16).astype(np.float32)] * steps)
+    np.testing.assert_array_equal(np.asarray(params["w"]).view(np.uint16), want_p.view(np.uint16))
+    np.testing.assert_array_equal(np.asarray(state.master["w"]).view(np.uint16), want_c.view(np.uint16))
+    value = got + np.asarray(state.master["w"]).astype(np.float64)
+    # A step loses at most half a unit in the last place of the term (|term| <= 2**-9 near 1: 2**-18), against
+    # the 0.0150 that the steps move in all: the param alone keeps none of it.
+    np.testing.assert_allclose(value, exact, rtol=0, atol=steps * 2**-18)
+    assert np.abs(value - exact).mean() < 0.02 * np.abs(exact - p0).mean()
+  else:  # unbiased: the mean over 4096 independent elements is the exact sum's
+    assert state.master is None
+    assert abs((got - exact).mean()) < 5 * 2**-7 / np.sqrt(n)
+
+
+# ---------------------------------------------------------------------------
+# Every tier and kernel: the xla reference's bits
+# ---------------------------------------------------------------------------
+
+
+def _params():
+  rng = np.random.default_rng(2)
+  return {"w": jnp.asarray(rng.normal(size=(16, 512)), jnp.bfloat16),  # 8-bit moments take it
+          "h": jnp.asarray(rng.normal(size=(7, 33)), jnp.float16),
+          "b": jnp.asarray(rng.normal(size=(5,)), jnp.bfloat16),
+          "f": jnp.asarray(rng.normal(size=(3,)), jnp.float32)}  # no master
+
+
+def _grads(k):
+  return jax.tree.map(lambda p: (jnp.sin(jnp.arange(p.size, dtype=jnp.float32) * (k + 1.3)).reshape(p.shape)
+                                 * 0.1).astype(p.dtype), _params())
+
+
+def _numpy(tree):
+  return {k: np.asarray(v) for k, v in tree.items()} if tree is not None else None
+
+
+def _bits(tree):
+  return {k: v.view(np.uint8) for k, v in tree.items()} if tree is not None else None
+
+
+def _run(master, moment_format, tmp_path, *, fused=True, **options):
+  tx = optax_hybrid.hybrid_adamw(1e-3, weight_decay=0.1, master=master, moment_format=moment_format,
+                                 nvme_offload_dir=tmp_path, **options)
+  params = _params()
+  state = tx.init(params)
+  step = jax.jit(tx.step) if fused else jax.jit(lambda p, s, g: _update_then_apply(tx, p, s, g))
+  for k in range(3):
+    params, state = step(params, state, _grads(k))
+  out = (_numpy(params), _numpy(state.master), [_numpy(m) for m in optax_hybrid.moment_values(state)])
+  tx.close()
+  return out
+
+
+def _update_then_apply(tx, params, state, grads):
+  updates, state = tx.update(grads, state, params)
+  assert all(u.dtype == jnp.float32 for k, u in updates.items() if k != "f")
+  return optax_hybrid.apply_updates(params, updates), state
+
+
+VARIANTS = {
+    "pallas": {"kernel": "pallas"},
+    "native": {"kernel": "native"},
+    "host_state": {"tiers": "host_state", "kernel": "xla"},
+    "host": {"tiers": "host", "kernel": "native"},
+    "disk": {"tiers": "disk", "kernel": "xla"},
+    "offload_fraction": {"offload_fraction": 0.5, "kernel": "pallas"},
+}
+
+
+@functools.lru_cache(maxsize=None)
+def _reference(master, moment_format, tmp_path):
+  return _run(master, moment_format, tmp_path, kernel="xla")
+
+
+def _values(run):
+  """Each bf16/fp16 leaf's float32 value (param plus Kahan term, where kept) and the moments, as float64."""
+  params, master, moments = run
+  values = {k: v.astype(np.float64) + (0 if master is None or k == "f" else master[k].astype(np.float64))
+            for k, v in params.items()}
+  return values, [{k: v.astype(np.float64) for k, v in m.items()} for m in moments]
+
+
+@pytest.mark.parametrize("moment_format", [None, "8bit"])
+@pytest.mark.parametrize("master", ["kahan", "stochastic"])
+def test_every_tier_and_kernel_gives_the_reference_bits(master, moment_format, tmp_path_factory):
+  base = tmp_path_factory.mktemp("disk")
+  want = _reference(master, moment_format, base)
+  for name, options in VARIANTS.items():
+    got = _run(master, moment_format, base, **options)
+    if options["kernel"] != "pallas":  # the reference's own arithmetic (the native kernel declines the formats)
+      # The float32 leaf "f" keeps no master: the native kernel takes it, in its own arithmetic.
+      mastered = lambda tree: None if tree is None else _bits({k: v for k, v in tree.items() if k != "f"})
+      for what, a, b in zip(("params", "master", "moments"), got, want):
+        bits = lambda x: [mastered(t) for t in x] if isinstance(x, list) else mastered(x)
+        np.testing.assert_equal(bits(a), bits(b), err_msg=f"{name}: {what}")
+      np.testing.assert_allclose(got[0]["f"], want[0]["f"], rtol=1e-6, err_msg=name)
+      continue
+    # The Pallas kernel runs the same jax.numpy on tiles, compiled apart from the reference's fused loop: its
+    # float32 arithmetic may differ in the last place (so does a float32 master's), never its random bits.
+    (values, moments), (want_values, want_moments) = _values(got), _values(want)
+    for k in values:
+      # Kahan: param + term hold 16 bits, the term's last place 2**-17 of the value. Stochastic: the same draws,
+      # so a param moves a unit (2**-8, fp16 2**-11) from the reference's only where that last place crosses
+      # its threshold.
+      rtol = 2**-16 if master == "kahan" else 2**-7
+      np.testing.assert_allclose(values[k], want_values[k], rtol=rtol, atol=0, err_msg=f"{name}: {k}")
+      assert np.mean(values[k] == want_values[k]) > 0.99, (name, k)
+    for a, b in zip(moments, want_moments):
+      jax.tree.map(functools.partial(np.testing.assert_allclose, rtol=1e-5, atol=1e-12), a, b)
+  # update + apply_updates lands on the fused step's params.
+  got = _run(master, moment_format, base, fused=False, kernel="xla")
+  np.testing.assert_equal(_bits(got[0]), _bits(want[0]), err_msg="update then apply_updates")
+
+
+@pytest.mark.parametrize("make", [functools.partial(optax_hybrid.hybrid_adamw, 1e-3),
+                                  functools.partial(optax_hybrid.hybrid_lion, 1e-4),
+                                  functools.partial(optax_hybrid.hybrid_adagrad, 1e-2),
+                                  functools.partial(optax_hybrid.hybrid_sgd, 1e-2, momentum=0.9)],
+                         ids=["adamw", "lion", "adagrad", "sgd"])
+def test_every_rule_with_a_kahan_term_follows_its_float32_master(make):
+  params = {k: v for k, v in _params().items() if k != "h"}
+  grads = lambda k: {key: g for key, g in _grads(k).items() if key != "h"}
+  runs, largest = {}, {key: np.abs(np.asarray(params[key], np.float64)) for key in ("w", "b")}
+  for master in ("float32", "kahan"):
+    tx = make(master=master, kernel="xla")
+    p, s = params, tx.init(params)
+    for k in range(5):
+      p, s = tx.step(p, s, grads(k))
+      if master == "float32":  # the weights' path
+        largest = {key: np.maximum(v, np.abs(np.asarray(s.master[key], np.float64))) for key, v in largest.items()}
+    runs[master] = (p, s)
+  for key in ("w", "b"):
+    value = (np.asarray(runs["kahan"][0][key], np.float64)
+             + np.asarray(runs["kahan"][1].master[key], np.float64))
+    # Each step loses at most half a unit in the term's last place: 2**-18 of the weight's magnitude on its way
+    # (a bf16 param's binade spans 2x: 2**-17 of the largest magnitude).
+    bound = 5 * 2**-17 * largest[key] + 1e-12
+    np.testing.assert_array_less(np.abs(value - np.asarray(runs["float32"][1].master[key], np.float64)), bound)
+
+
+# ---------------------------------------------------------------------------
+# Checkpoints across master formats
+# ---------------------------------------------------------------------------
+
+
+def test_checkpoints_restore_across_master_formats(tmp_path):
+  manager = optax_hybrid.checkpoint.manager(tmp_path / "ckpt", max_to_keep=None)
+  params = {k: v for k, v in _params().items() if k != "h"}
+  txs = {m: optax_hybrid.hybrid_adamw(1e-3, master=m, kernel="xla") for m in ("float32", "kahan", "stochastic")}
+  from_params = lambda restored: restored["params"]
+  grads = lambda k: {key: g for key, g in _grads(k).items() if key != "h"}
+  p, s = params, txs["float32"].init(params)
+  for k in range(3):
+    p, s = txs["float32"].step(p, s, grads(k))
+  optax_hybrid.checkpoint.save(manager, 1, {"params": p, "opt": s}, wait=True)
+  f32_master = np.asarray(s.master["w"])
+
+  # float32 -> kahan: the term is the copy minus its param (the param is the copy rounded).
+  like = {"params": params, "opt": txs["kahan"].init(params)}
+  with pytest.raises(ValueError, match=r"in another master format than `like`.*masters_from="):
+    optax_hybrid.checkpoint.restore(manager, like, step=1)
+  r = optax_hybrid.checkpoint.restore(manager, like, step=1, masters_from=from_params)
+  term = np.asarray(r["opt"].master["w"])
+  assert term.dtype == BF16 and r["opt"].master["f"].shape == (0,)
+  np.testing.assert_array_equal(term, (f32_master - np.asarray(p["w"], np.float32)).astype(BF16))
+  np.testing.assert_allclose(np.asarray(p["w"], np.float64) + term.astype(np.float64), f32_master, rtol=2**-16)
+  for a, b in zip(optax_hybrid.moment_values(r["opt"]), optax_hybrid.moment_values(s)):
+    jax.tree.map(np.testing.assert_array_equal, a, b)
+  p, s = r["params"], r["opt"]
+  p, s = txs["kahan"].step(p, s, grads(4))
+  optax_hybrid.checkpoint.save(manager, 2, {"params": p, "opt": s}, wait=True)
+
+  # kahan -> float32: the copy is param + term, exactly (float32 holds both).
+  like = {"params": params, "opt": txs["float32"].init(params)}
+  back = optax_hybrid.checkpoint.restore(manager, like, step=2, masters_from=from_params)
+  np.testing.assert_array_equal(np.asarray(back["opt"].master["w"]),
+                                np.asarray(p["w"], np.float32) + np.asarray(s.master["w"], np.float32))
+
+  # kahan -> stochastic: nothing kept (the term is not read); stochastic -> kahan: the term starts at zero,
+  # and needs no params.
+  like = {"params": params, "opt": txs["stochastic"].init(params)}
+  r = optax_hybrid.checkpoint.restore(manager, like, step=2)
+  assert r["opt"].master is None
+  p, s = txs["stochastic"].step(r["params"], r["opt"], grads(5))
+  optax_hybrid.checkpoint.save(manager, 3, {"params": p, "opt": s}, wait=True)
+  r = optax_hybrid.checkpoint.restore(manager, {"params": params, "opt": txs["kahan"].init(params)}, step=3)
+  np.testing.assert_array_equal(np.asarray(r["opt"].master["w"], np.float32), 0.0)
+  jax.tree.map(np.testing.assert_array_equal, r["params"], p)
+  for a, b in zip(optax_hybrid.moment_values(r["opt"]), optax_hybrid.moment_values(s)):
+    jax.tree.map(np.testing.assert_array_equal, a, b)
+  # stochastic -> float32: the copy is built from the param, as init builds it.
+  r = optax_hybrid.checkpoint.restore(manager, {"params": params, "opt": txs["float32"].init(params)}, step=3,
+                                      masters_from=from_params)
+  np.testing.assert_array_equal(np.asarray(r["opt"].master["w"]), np.asarray(p["w"], np.float32))
+  manager.close()
+
+
+# ---------------------------------------------------------------------------
+# Memory report
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("master, kept", [("float32", 4), ("kahan", 2), ("stochastic", 0), (None, 0)])
+def test_the_memory_report_counts_what_each_format_keeps(master, kept):
+  params = {"w": jnp.zeros((64, 64), jnp.bfloat16), "f": jnp.zeros((10,), jnp.float32)}
+  tx = optax_hybrid.hybrid_adamw(1e-3, master=master, tiers="host_state")
+  report = optax_hybrid.memory_report(params, tx.init(params))
+  assert report.by_component["master_weights"]["host"] == kept * 64 * 64
+  assert report.by_component["master_weights"]["device"] == 0
+  # bf16 moments (the param's dtype) and the master, on the host; the f32 leaf keeps 8 B of moments.
+  assert report.host_bytes == (4 + kept) * 64 * 64 + 8 * 10
+
+
+# ---------------------------------------------------------------------------
+# What a GPU would be given
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("master", ["kahan", "stochastic"])
+def test_lowered_for_cuda_the_formats_run_inside_the_triton_launch(master):
+  from optax_hybrid.kernels import lowering_for, pallas_gpu
+
+  params = {"w": jax.ShapeDtypeStruct((300, 40), jnp.bfloat16), "b": jax.ShapeDtypeStruct((7,), jnp.float16)}
+  tx = optax_hybrid.hybrid_adamw(1e-3, weight_decay=0.1, master=master, kernel="pallas", skip_nonfinite=True)
+  with lowering_for("cuda"):
+    text = jax.jit(tx.step).trace(params, jax.eval_shape(tx.init, params), params).lower(
+        lowering_platforms=("cuda",)).as_text()
+  assert pallas_gpu.gpu_launches(text) == 1
+  # The rounding is inside the launch: no float32 -> bf16 conversion of a whole leaf around it.
+  assert not any("stablehlo.convert" in line and "tensor<300x40xf32>" in line and "bf16" in line
+                 for line in text.splitlines())
