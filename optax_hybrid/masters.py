@@ -304,10 +304,14 @@ def positions(like: Any, offset: Any = 0) -> jax.Array:
   """The flat (row-major) index of every element of the block ``like`` (from ``offset`` on), as uint32.
 
   ``like`` is an array (in whose memory space the indices are made: host
-  compute needs its values typed as host memory) or a shape.
+  compute needs its values typed as host memory) or a shape. Indices are
+  taken modulo ``2**32`` (a stacked leaf may hold more elements than uint32
+  counts: each axis's index times its stride, in wrapping uint32 arithmetic).
   """
   shape = tuple(like) if isinstance(like, (tuple, list)) else tuple(like.shape)
-  flat = lax.iota(jnp.uint32, int(np.prod(shape))).reshape(shape)
+  strides = [int(np.prod(shape[d + 1:])) % 2**32 for d in range(len(shape))]
+  flat = sum((lax.broadcasted_iota(jnp.uint32, shape, d) * jnp.uint32(stride)
+              for d, stride in enumerate(strides) if shape[d] > 1), jnp.zeros(shape, jnp.uint32))
   if not isinstance(like, (tuple, list)):
     flat = _compat.move(flat, _compat.memory_space_of(like))
   return flat + jnp.asarray(offset).astype(jnp.uint32)

@@ -381,3 +381,13 @@ def test_lowered_for_cuda_the_formats_run_inside_the_triton_launch(master):
   # The rounding is inside the launch: no float32 -> bf16 conversion of a whole leaf around it.
   assert not any("stablehlo.convert" in line and "tensor<300x40xf32>" in line and "bf16" in line
                  for line in text.splitlines())
+
+
+def test_positions_are_row_major_indices_modulo_2_to_the_32_for_any_leaf_size():
+  for shape in [(3, 4, 5), (7,), (), (1, 6), (2, 1, 3)]:
+    want = (np.arange(int(np.prod(shape)), dtype=np.uint64).reshape(shape) + 10).astype(np.uint32)
+    np.testing.assert_array_equal(np.asarray(masters.positions(shape, 10)), want)
+  # A stacked leaf of more than 2**32 elements (64 layers of 4096 x 11008) traces: positions wrap, as uint32 does
+  # (a flat iota of its size raised OverflowError).
+  big = jax.eval_shape(lambda: masters.positions((64, 4096, 11008)))
+  assert big.shape == (64, 4096, 11008) and big.dtype == jnp.uint32
