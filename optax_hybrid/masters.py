@@ -314,6 +314,8 @@ def positions(like: Any, offset: Any = 0) -> jax.Array:
               for d, stride in enumerate(strides) if shape[d] > 1), jnp.zeros(shape, jnp.uint32))
   if not isinstance(like, (tuple, list)):
     flat = _compat.move(flat, _compat.memory_space_of(like))
+  if isinstance(offset, (int, np.integer)):  # a static offset (a slice of rows) may pass 2**32 as well
+    offset = np.uint32(int(offset) % 2**32)
   return flat + jnp.asarray(offset).astype(jnp.uint32)
 
 

@@ -391,3 +391,7 @@ def test_positions_are_row_major_indices_modulo_2_to_the_32_for_any_leaf_size():
   # (a flat iota of its size raised OverflowError).
   big = jax.eval_shape(lambda: masters.positions((64, 4096, 11008)))
   assert big.shape == (64, 4096, 11008) and big.dtype == jnp.uint32
+  # A slice of rows of such a leaf may start past 2**32 (a Python int offset): wrapped too.
+  start = 162 * 4096 * 11008
+  np.testing.assert_array_equal(np.asarray(masters.positions((2, 3), start)),
+                                ((np.arange(6, dtype=np.uint64) + start) % 2**32).astype(np.uint32).reshape(2, 3))
