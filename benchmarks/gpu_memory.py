@@ -190,23 +190,26 @@ def abstract_state(tx, params):
   return placed(jax.eval_shape(tx.init, params))
 
 
+def train_step_of(tx, loss):
+  """``(params, state, *batch) -> (params, state, loss)``: hybrid_adamw's fused step, or Optax's update + apply."""
+  def train_step(params, state, *batch):
+    value, grads = jax.value_and_grad(loss)(params, *batch)
+    if isinstance(tx, optax_hybrid.HybridAdamW):
+      params, state = tx.step(params, state, grads)
+    else:
+      updates, state = tx.update(grads, state, params)
+      params = optax.apply_updates(params, updates)
+    return params, state, value
+  return train_step
+
+
 def compile_train_step(setup: str, cfg: Config, target: str) -> dict:
   dtype, make_tx = SETUPS[setup]
   tx = make_tx()
   params = placed(jax.eval_shape(lambda: init_params(cfg, dtype, jax.random.key(0))))
   state = abstract_state(tx, params)
   tokens = jax.ShapeDtypeStruct((cfg.batch, cfg.seq_len), jnp.int32, sharding=params["pos_embedding"].sharding)
-  hybrid = isinstance(tx, optax_hybrid.HybridAdamW)
-
-  def train_step(params, state, x, y):
-    loss, grads = jax.value_and_grad(loss_fn)(params, x, y, cfg.heads)
-    if hybrid:
-      params, state = tx.step(params, state, grads)
-    else:
-      updates, state = tx.update(grads, state, params)
-      params = optax.apply_updates(params, updates)
-    return params, state, loss
-
+  train_step = train_step_of(tx, lambda params, x, y: loss_fn(params, x, y, cfg.heads))
   report = gpu_compile.compile_for_gpu(train_step, params, state, tokens, tokens, target=target,
                                        donate_argnums=(0, 1))
   return dict(params=num_params(params), device=report.device_peak_bytes, host=report.host_peak_bytes,
@@ -418,12 +421,7 @@ def streaming_figures(setup: str, layers: int, target: str, moments: str) -> dic
                        batch=1)
   tx = optax_hybrid.hybrid_adamw(1e-4, weight_decay=0.1, tiers=tier, master_dtype=jnp.float32, moment_format=moments)
   state = tx.init(model.params)
-
-  def train_step(p, s, b):
-    loss, grads = jax.value_and_grad(model.loss)(p, b)
-    p, s = tx.step(p, s, grads)
-    return p, s, loss
-
+  train_step = train_step_of(tx, model.loss)
   report = gpu_compile.compile_for_gpu(train_step, model.params, state, model.batch, target=target,
                                        donate_argnums=(0, 1))
   n = model.num_params
@@ -499,17 +497,7 @@ def capacity_figures(setup: str, layers: int, target: str) -> dict:
                        layers=layers, width=4096, heads=32, ffn=11008, vocab=32000, seq=2048, batch=1)
   tx = make_tx()
   state = abstract_state(tx, model.params)
-  hybrid = isinstance(tx, optax_hybrid.HybridAdamW)
-
-  def train_step(p, s, b):
-    loss, grads = jax.value_and_grad(model.loss)(p, b)
-    if hybrid:
-      p, s = tx.step(p, s, grads)
-    else:
-      updates, s = tx.update(grads, s, p)
-      p = optax.apply_updates(p, updates)
-    return p, s, loss
-
+  train_step = train_step_of(tx, model.loss)
   report = gpu_compile.compile_for_gpu(train_step, model.params, state, model.batch, target=target,
                                        donate_argnums=(0, 1))
   n = model.num_params
