@@ -282,8 +282,9 @@ def _store(lp: LeafPlan, leaf: LeafIn, result: tuple) -> LeafOut:
   """
   first, state, master = result
   if lp.runs_on == "device":
+    first = _compat.move(first, lp.param_space)  # params streamed from host memory stay there
     if lp.state_space == DEVICE:
-      return LeafOut(first, state, master)  # computed where it lives (a device run's param is on the device)
+      return LeafOut(first, state, master)  # computed where it lives
     # Computed on the device, so known to be there: copied out. A disk leaf's state goes to its files from here.
     to_host = lambda x: jax.tree.map(lambda a: _compat.move(a, HOST), x)  # a leaf run in slices is there
     return LeafOut(first, state if lp.on_disk else to_host(state), to_host(master))
@@ -341,7 +342,7 @@ def _run_in_row_slices(plans: Sequence[LeafPlan], leaves: Sequence[LeafIn], plan
   A loop over the slices brings a slice of the state (and what the master
   keeps) from host memory to the device, runs the kernel on it with the
   gradient's and the param's rows, and writes the new state back into the
-  host buffers and the first result into a device buffer, in place, before
+  host buffers and the first result into its buffer, in place, before
   the next trip: a stacked layer's state crosses the device a slice at a
   time instead of whole (:attr:`LeafPlan.slice_rows`). A random master
   format's slice draws the bits the whole leaf would draw at its positions
@@ -350,8 +351,8 @@ def _run_in_row_slices(plans: Sequence[LeafPlan], leaves: Sequence[LeafIn], plan
   """
   (lp,), (leaf,) = plans, leaves
   master = lp.master
-  compute = functools.partial(_compute, facts=_facts(plans, leaves, write_params),
-                              step=step_of(rule, write_params=write_params, master=master))
+  facts = _facts(plans, leaves, write_params)
+  compute = functools.partial(_compute, facts=facts, step=step_of(rule, write_params=write_params, master=master))
   branches = {p: functools.partial(compute, k)
               for p, k in kernels_for(plan.kernel, fused=fused, split=plan.split, rule=rule).items()}
   shape, rows = leaf.grad.shape, lp.slice_rows
@@ -360,8 +361,9 @@ def _run_in_row_slices(plans: Sequence[LeafPlan], leaves: Sequence[LeafIn], plan
   in_place = write_params and param is not None  # the new param overwrites the param, row by row
   kept = master is not None and master.keeps
   grad = _compat.move(leaf.grad, DEVICE)
-  out_dtype = _facts(plans, leaves, write_params)[0].out_dtype
-  first = param.astype(out_dtype) if in_place else _compat.move(lax.empty(shape, out_dtype), DEVICE)
+  # The first result's buffer lives where the param does (params streamed from host memory stay there).
+  first = (param.astype(facts[0].out_dtype) if in_place else
+           _compat.move(lax.empty(shape, facts[0].out_dtype), lp.param_space))
 
   def trip(k, carry):
     first, state, kept_master = carry
