@@ -319,6 +319,18 @@ def positions(like: Any, offset: Any = 0) -> jax.Array:
   return flat + jnp.asarray(offset).astype(jnp.uint32)
 
 
+def seed_at(seed: jax.Array, offset: Any) -> jax.Array:
+  """The seed whose bits at position ``p`` (:func:`random_bits`) are ``seed``'s at ``p + offset``.
+
+  A slice of a leaf that starts at flat position ``offset`` (a traced or
+  static count, taken modulo ``2**32`` as positions are) then draws with the
+  slice's own positions exactly the bits the whole leaf would draw there.
+  """
+  if isinstance(offset, (int, np.integer)):
+    offset = np.uint32(int(offset) % 2**32)
+  return seed + jnp.asarray(offset).astype(jnp.uint32) * jnp.uint32(_GOLDEN)
+
+
 def random_bits(seed: jax.Array, where: jax.Array) -> jax.Array:
   """32 random bits per element: a hash of ``seed`` (uint32 scalar) and each element's position ``where``."""
   return _mix(where * jnp.uint32(_GOLDEN) + seed)

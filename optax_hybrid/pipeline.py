@@ -244,8 +244,9 @@ def run_groups(leaves: list[LeafIn], plan: Plan, rule: Any, s: Any, *, write_par
       for i in older:
         stored(i)
       group_in = _after(group_in, previous, older, computed, outs)
-    for i, result in zip(idx, _run_group([plan.leaves[i] for i in idx], group_in, plan, rule, s,
-                                          write_params=write_params, fused=fused)):
+    run = _run_in_row_slices if plan.leaves[idx[0]].slice_rows else _run_group
+    for i, result in zip(idx, run([plan.leaves[i] for i in idx], group_in, plan, rule, s,
+                                  write_params=write_params, fused=fused)):
       computed[i] = result
   for i in list(computed):
     stored(i)
@@ -281,10 +282,11 @@ def _store(lp: LeafPlan, leaf: LeafIn, result: tuple) -> LeafOut:
   """
   first, state, master = result
   if lp.runs_on == "device":
+    first = _compat.move(first, lp.param_space)  # params streamed from host memory stay there
     if lp.state_space == DEVICE:
-      return LeafOut(first, state, master)  # computed where it lives (a device run's param is on the device)
+      return LeafOut(first, state, master)  # computed where it lives
     # Computed on the device, so known to be there: copied out. A disk leaf's state goes to its files from here.
-    to_host = lambda x: jax.tree.map(lambda a: jax.device_put(a, HOST), x)
+    to_host = lambda x: jax.tree.map(lambda a: _compat.move(a, HOST), x)  # a leaf run in slices is there
     return LeafOut(first, state if lp.on_disk else to_host(state), to_host(master))
   # Host compute leaves its results in host memory: the update goes to the param's memory, the state to
   # its own (device memory for a host-resident param whose state_memory_kind is "device").
@@ -303,14 +305,9 @@ def _run_group(plans: Sequence[LeafPlan], leaves: Sequence[LeafIn], plan: Plan, 
   """
   where = plans[0].runs_on
   master = plans[0].master
-  # Parameters that are not read (no decay, no fused apply, or a master copy
-  # stands in for them) are not moved either.
   operands = []
   for lp, leaf in zip(plans, leaves):
-    if master is not None:
-      param = leaf.param if master.reads_param else None
-    else:
-      param = leaf.param if (lp.decay or write_params) else None
+    param = _param_read(lp, leaf, master, write_params)
     if where == "host":  # the param's sharding: its gradient and (if on the device) the param cross with it
       to = lambda x: jax.tree.map(lambda a: placement.to_host(a, lp.gather_to or lp.state_sharding), x)
       seed = master is not None and not master.keeps  # a random format's seed: a replicated scalar
@@ -322,13 +319,8 @@ def _run_group(plans: Sequence[LeafPlan], leaves: Sequence[LeafIn], plan: Plan, 
       to = lambda x: jax.tree.map(lambda a: jax.device_put(a, DEVICE), x)
       operands.append(LeafOperands(_compat.move(leaf.grad, DEVICE), leaf.state if lp.on_disk else to(leaf.state),
                                    param, to(leaf.master)))
-  facts = [LeafFacts(lp.decay, jnp.asarray(leaf.param).dtype if (write_params or master is not None) else
-                     jnp.result_type(leaf.grad.dtype, *lp.dtypes)) for lp, leaf in zip(plans, leaves)]
-  step = step_of(rule, write_params=write_params, master=master)
-
-  def compute(kernel, operands, s):
-    return [(r.first, r.state, r.master) for r in kernel(operands, facts, s, step)]
-
+  compute = functools.partial(_compute, facts=_facts(plans, leaves, write_params),
+                              step=step_of(rule, write_params=write_params, master=master))
   kernels = kernels_for(plan.kernel, fused=fused, runs_on=where, split=plan.split, rule=rule)
   if where == "host":
     s = type(s)(*(None if x is None else _compat.move(x, HOST) for x in s))
@@ -341,6 +333,80 @@ def _run_group(plans: Sequence[LeafPlan], leaves: Sequence[LeafIn], plan: Plan, 
   else:
     branches = {p: functools.partial(compute, k) for p, k in kernels.items()}
   return [tuple(r) for r in per_platform(branches, operands, s)]
+
+
+def _run_in_row_slices(plans: Sequence[LeafPlan], leaves: Sequence[LeafIn], plan: Plan, rule: Any, s: Any, *,
+                       write_params: bool, fused: bool) -> list[tuple]:
+  """A ``host_state`` leaf larger than a stage, ``slice_rows`` rows of its first axis at a time.
+
+  A loop over the slices brings a slice of the state (and what the master
+  keeps) from host memory to the device, runs the kernel on it with the
+  gradient's and the param's rows, and writes the new state back into the
+  host buffers and the first result into its buffer, in place, before
+  the next trip: a stacked layer's state crosses the device a slice at a
+  time instead of whole (:attr:`LeafPlan.slice_rows`). A random master
+  format's slice draws the bits the whole leaf would draw at its positions
+  (:func:`optax_hybrid.masters.seed_at`). Returns ``[(first, state, master)]``
+  with the state and master already in host memory.
+  """
+  (lp,), (leaf,) = plans, leaves
+  master = lp.master
+  facts = _facts(plans, leaves, write_params)
+  compute = functools.partial(_compute, facts=facts, step=step_of(rule, write_params=write_params, master=master))
+  branches = {p: functools.partial(compute, k)
+              for p, k in kernels_for(plan.kernel, fused=fused, split=plan.split, rule=rule).items()}
+  shape, rows = leaf.grad.shape, lp.slice_rows
+  row_size = int(np.prod(shape[1:])) % 2**32
+  param = _param_read(lp, leaf, master, write_params)
+  in_place = write_params and param is not None  # the new param overwrites the param, row by row
+  kept = master is not None and master.keeps
+  grad = _compat.move(leaf.grad, DEVICE)
+  # The first result's buffer lives where the param does (params streamed from host memory stay there).
+  first = (param.astype(facts[0].out_dtype) if in_place else
+           _compat.move(lax.empty(shape, facts[0].out_dtype), lp.param_space))
+
+  def trip(k, carry):
+    first, state, kept_master = carry
+    start = k * rows
+    take = lambda a: lax.dynamic_slice_in_dim(a, start, rows, axis=0)
+    fetch = lambda x: jax.tree.map(lambda a: _compat.row_major(_compat.move(take(a), DEVICE)), x)
+    read = first if in_place else param
+    seed = None if master is None or kept else masters.seed_at(leaf.master, start.astype(jnp.uint32) *
+                                                                jnp.uint32(row_size))
+    ops = LeafOperands(take(grad), fetch(state), None if read is None else fetch(read),
+                       fetch(kept_master) if kept else seed)
+    new_first, new_state, new_master = per_platform(branches, [ops], s)[0]
+    put = lambda buf, x: lax.dynamic_update_slice_in_dim(buf, _compat.move(x, _compat.memory_space_of(buf)),
+                                                         start, axis=0)
+    return (put(first, new_first), jax.tree.map(put, state, new_state),
+            put(kept_master, new_master) if kept else None)
+
+  first, state, kept_master = lax.fori_loop(0, shape[0] // rows, trip,
+                                            (first, leaf.state, leaf.master if kept else None))
+  return [(first, state, kept_master)]
+
+
+def _param_read(lp: LeafPlan, leaf: LeafIn, master: Any, write_params: bool) -> Any:
+  """The param if the step reads it, else None: a param that is not read is not moved either.
+
+  It is not read without decay or a fused apply, nor where a master copy stands in for it.
+  """
+  if master is not None:
+    return leaf.param if master.reads_param else None
+  return leaf.param if (lp.decay or write_params) else None
+
+
+def _facts(plans: Sequence[LeafPlan], leaves: Sequence[LeafIn], write_params: bool) -> list[LeafFacts]:
+  """What the kernel knows statically of each leaf: its decay, and the first result's dtype."""
+  master = plans[0].master
+  return [LeafFacts(lp.decay, jnp.asarray(leaf.param).dtype if (write_params or master is not None) else
+                    jnp.result_type(leaf.grad.dtype, *lp.dtypes)) for lp, leaf in zip(plans, leaves)]
+
+
+def _compute(kernel: Any, operands: Sequence[LeafOperands], s: Any, *, facts: Sequence[LeafFacts],
+             step: Any) -> list[tuple]:
+  """``kernel`` on ``operands``: ``(first, state, master)`` per leaf."""
+  return [(r.first, r.state, r.master) for r in kernel(operands, facts, s, step)]
 
 
 def _constrained(op: LeafOperands, lp: LeafPlan) -> LeafOperands:

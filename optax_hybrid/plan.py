@@ -88,6 +88,11 @@ class LeafPlan:
       than the param (the update is gathered back to it); else None.
     stage: the streaming stage of a ``host_state`` or ``host`` leaf; 0 for
       others.
+    slice_rows: for a ``host_state`` leaf larger than a stage (a stacked
+      layer's weights), how many rows of its first axis cross the bus at a
+      time: the step brings that slice of its state to the device, updates
+      it and writes it back before the next (:func:`assign_slices`); 0: the
+      leaf crosses whole.
     files: the disk tier's files, made by ``init``: ``(field, disk.DiskMoment)``
       pairs, ``(("mu", ...), ("nu", ...))`` for Adam (with 8-bit storage the codes there
       and the scales under ``"mu_scales"`` and ``"nu_scales"``); the state's fields hold an
@@ -116,6 +121,7 @@ class LeafPlan:
   state_sharding: Any = None
   gather_to: Any = None
   stage: int = 0
+  slice_rows: int = 0
   quantized: bool = False
   files: tuple = ()
 
@@ -277,7 +283,8 @@ def make_plan(params: Any, rule: Any, options: Options) -> Plan:
         param_dtype=np.dtype(p.dtype),
         decay=decay, state_sharding=state_sharding, gather_to=None if zero1 is None else p.sharding,
         quantized=quantize))
-  leaves = assign_stages(leaves, [np.shape(p) for _, p in with_paths])
+  shapes = [np.shape(p) for _, p in with_paths]
+  leaves = assign_slices(assign_stages(leaves, shapes, STREAM_STAGE_BYTES), shapes, STREAM_STAGE_BYTES)
   split, mesh = _split([leaf.state_sharding for leaf in leaves if leaf.runs_on == "device"])
   return Plan(tuple(leaves), fields=tuple(rule.fields), owner=owner, static_zeros=static_zeros,
               kernel=options.execution.kernel, split=split, mesh=mesh)
@@ -345,6 +352,29 @@ def assign_stages(leaves: Sequence[LeafPlan], shapes: Sequence[Sequence[int]],
       stage[where], filled[where] = stage[where] + 1, 0
     filled[where] += size
     out[i] = dataclasses.replace(leaf, stage=stage[where])
+  return out
+
+
+def assign_slices(leaves: Sequence[LeafPlan], shapes: Sequence[Sequence[int]],
+                  budget: int = STREAM_STAGE_BYTES) -> list[LeafPlan]:
+  """Sets :attr:`LeafPlan.slice_rows` for the ``host_state`` leaves whose state is larger than ``budget``.
+
+  Such a leaf (a stacked layer's weights, a large embedding) is a stage of
+  its own (:func:`assign_stages`), and crossing whole it would be staged
+  whole on the device. Its rows along the first axis cross instead, the
+  largest number that divides the axis (every slice the same shape: one loop
+  body) and holds at most ``budget`` bytes of state, at least one row. Only a
+  single-device leaf of two or more axes is cut: its 8-bit blocks lie along
+  the last axis, so a slice of rows is whole blocks.
+  """
+  out = list(leaves)
+  for i, (leaf, shape) in enumerate(zip(leaves, shapes)):
+    if (leaf.tier != tiers_lib.HOST_STATE_TIER or leaf.state_sharding is not None or len(shape) < 2
+        or shape[0] < 2 or state_bytes(leaf, shape) <= budget):
+      continue
+    fits = [d for d in range(1, shape[0] + 1)
+            if shape[0] % d == 0 and state_bytes(leaf, (d, *shape[1:])) <= budget]
+    out[i] = dataclasses.replace(leaf, slice_rows=max(fits, default=1))
   return out
 
 

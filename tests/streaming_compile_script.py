@@ -8,7 +8,11 @@ master; params and state donated) of ``benchmarks/models.py``'s Llama-style
 decoder whose layers live in ``pinned_host`` and run by
 ``optax_hybrid.scan_layers``, at a depth, with or without the saved carries
 offloaded, from abstract inputs (``ShapeDtypeStruct`` s placed with a
-``NamedSharding``) or real arrays. Before each case it prints ``{"start": i}``,
+``NamedSharding``) or real arrays. A ``host_state`` case compiles the
+optimizer step alone (``tx.step(params, state, grads)``) of the same model's
+params, layers stacked on the device, with ``tiers="host_state"`` and a stage
+budget of :data:`SLICE_BUDGET`, so that every stacked leaf crosses a layer at a
+time (``LeafPlan.slice_rows``). Before each case it prints ``{"start": i}``,
 after it ``{"index": i, ...}`` (an XLA abort leaves the crashed index as the
 last ``start``).
 """
@@ -41,12 +45,18 @@ from optax_hybrid.kernels import lowering_for  # noqa: E402
 # on the device would show.
 SIZES = dict(width=512, heads=4, ffn=1376, vocab=1000, seq=512, batch=2)
 TARGET = "h200"
+# The host_state cases' stage budget: under one layer's state of the largest
+# stacked leaf (512 x 1376 values, 12 bytes each with an fp32 master and
+# moments: 8.5 MB), so that its slices are one layer.
+SLICE_BUDGET = 4 * 2**20
 
 
 def cases() -> list[dict]:
   out = [dict(layers=n, offload=False, inputs="abstract") for n in (2, 4)]
   out += [dict(layers=n, offload=True, inputs="abstract") for n in (2, 4)]
   out += [dict(layers=4, offload=False, inputs="real")]
+  out = [dict(c, tier="host") for c in out]
+  out += [dict(layers=n, offload=False, inputs="abstract", tier="host_state") for n in (2, 4)]
   return out
 
 
@@ -64,6 +74,8 @@ def realize(tree):
 
 
 def run(case: dict) -> dict:
+  if case["tier"] == "host_state":
+    return run_host_state_step(case)
   model = models.llama(jnp.bfloat16, stream=True, offload_carries=case["offload"], layers_memory_kind="pinned_host",
                        layers=case["layers"], **SIZES)
   params = model.params if case["inputs"] == "abstract" else realize(model.params)
@@ -90,6 +102,26 @@ def run(case: dict) -> dict:
   loops = [dict(trips=t.trips, fetches=t.fetches, overlapped=t.overlapped, carried=t.carried)
            for t in gpu_compile.loop_transfers(report.hlo)]
   return dict(ok=True, figures=figures, report=report.as_dict(), loops=loops)
+
+
+def run_host_state_step(case: dict) -> dict:
+  """The host_state tier's step alone on the stacked model's params: what it stages on the device."""
+  optax_hybrid.plan.STREAM_STAGE_BYTES = SLICE_BUDGET
+  model = models.llama(jnp.bfloat16, stream=False, layers=case["layers"], **SIZES)
+  tx = optax_hybrid.hybrid_adamw(1e-3, weight_decay=0.1, tiers="host_state", master_dtype=jnp.float32,
+                                 moment_format="float32")
+  state = tx.init(model.params)
+  with lowering_for("cuda"):
+    lowered = jax.jit(tx.step, donate_argnums=(0, 1)).trace(model.params, state, model.params).lower(
+        lowering_platforms=("cuda",))
+  report = gpu_compile.compile_lowered(lowered, target=TARGET)
+  shapes = dict(zip((lp.path for lp in state.plan.leaves), (x.shape for x in jax.tree.leaves(model.params))))
+  slices = [optax_hybrid.plan.state_bytes(lp, (lp.slice_rows or shapes[lp.path][0], *shapes[lp.path][1:]))
+            for lp in state.plan.leaves if lp.streamed]
+  figures = dict(largest_slice_bytes=max(slices), sliced=sum(lp.slice_rows > 0 for lp in state.plan.leaves),
+                 stacked=len(jax.tree.leaves(model.params["layers"])),
+                 state_bytes=sum(optax_hybrid.plan.state_bytes(lp, shapes[lp.path]) for lp in state.plan.leaves))
+  return dict(ok=True, figures=figures, report=report.as_dict(), loops=[])
 
 
 def main(argv=None):

@@ -16,7 +16,7 @@ import pytest
 
 import optax_hybrid
 from optax_hybrid import masters, placement
-from optax_hybrid.plan import STREAM_STAGE_BYTES, LeafPlan, Plan, assign_stages, state_bytes
+from optax_hybrid.plan import STREAM_STAGE_BYTES, LeafPlan, Plan, assign_slices, assign_stages, state_bytes
 
 needs_host = pytest.mark.skipif("pinned_host" not in placement.available_memory_kinds(),
                                 reason="no pinned_host memory on this backend")
@@ -96,6 +96,26 @@ def test_stages_take_consecutive_leaves_up_to_the_budget_per_place():
                                       ("device", 0, None), ("device", 1, None), ("device", 1, None)]
   assert [lp.tier for lp in got] == [lp.tier for lp in leaves]  # nothing else changes
   assert [lp.stage for lp in leaves] == [0] * len(leaves)  # the input plans are left as they were
+
+
+
+def test_a_host_state_leaf_larger_than_the_budget_crosses_in_slices_of_rows():
+  # float32 mu and nu: 8 bytes per value. (12, 10) is 960 bytes: over a budget of 400, cut into the largest
+  # number of rows dividing 12 whose state fits 400 bytes: 5 rows (400 B) does not divide 12, so 4 (320 B).
+  leaves = [leaf("host_state"), leaf("host_state"), leaf("host"), leaf("device"), leaf("host_state"),
+            leaf("host_state"), leaf("host_state")]
+  shapes = [(12, 10), (4, 10), (12, 10), (12, 10), (7, 10), (120,), (1, 100)]
+  got = assign_slices(leaves, shapes, budget=400)
+  # (4, 10) fits whole; the host and device tiers are not cut; 7 rows of 80 B: 5 would fit but 7 is prime,
+  # so one row at a time; a vector and a leaf of one row have no rows to cut.
+  assert [lp.slice_rows for lp in got] == [4, 0, 0, 0, 1, 0, 0]
+  assert [lp.stage for lp in got] == [lp.stage for lp in leaves]  # nothing else changes
+  # A row larger than the budget still crosses a row at a time; 8-bit codes and scales count as stored.
+  assert assign_slices([leaf("host_state")], [(3, 100)], budget=400)[0].slice_rows == 1
+  q = leaf("host_state", quantized=True)
+  per_row = 2 * (256 + 4)  # two moments: a code per value, a float32 scale per block of 256
+  assert assign_slices([q], [(6, 256)], budget=3 * per_row)[0].slice_rows == 3
+  assert assign_slices([q], [(6, 256)], budget=3 * per_row - 1)[0].slice_rows == 2
 
 
 def test_a_leaf_larger_than_the_budget_is_a_stage_of_its_own():

@@ -15,7 +15,10 @@ and (at 4 layers) real arrays. What must hold:
   their new value in: nothing else that scales with the model;
 * each loop fetches the next layer in the trip before (the copy's result goes
   to the loop's carry);
-* abstract and real inputs compile the same program.
+* abstract and real inputs compile the same program;
+* the ``host_state`` tier's step on the stacked layers stages at most three
+  slices of state on the device (a slice: a layer of one stacked leaf, or a
+  stage's budget), whatever the depth, and no state in host temporaries.
 """
 
 from __future__ import annotations
@@ -45,7 +48,8 @@ def compiled() -> dict:
   for line in proc.stdout.splitlines():
     if line.startswith("{") and '"index"' in line:
       record = json.loads(line)
-      results[(record["case"]["layers"], record["case"]["offload"], record["case"]["inputs"])] = record
+      c = record["case"]
+      results[(c["layers"], c["offload"], c["inputs"], c["tier"])] = record
   if len(results) != len(script.cases()):
     raise RuntimeError(f"{SCRIPT} stopped after {len(results)} cases:\n{proc.stderr[-3000:]}")
   for key, record in results.items():
@@ -57,11 +61,12 @@ def compiled() -> dict:
 pytestmark = [pytest.mark.usefixtures("cuda_compiler_plugin"), pytest.mark.xdist_group("tests/test_streaming_compile.py")]
 
 
-def case(layers, offload=False, inputs="abstract"):
-  return compiled()[(layers, offload, inputs)]
+def case(layers, offload=False, inputs="abstract", tier="host"):
+  return compiled()[(layers, offload, inputs, tier)]
 
 
-@pytest.mark.parametrize("key", [(c["layers"], c["offload"], c["inputs"]) for c in script.cases()],
+@pytest.mark.parametrize("key", [(c["layers"], c["offload"], c["inputs"]) for c in script.cases()
+                                 if c["tier"] == "host"],
                          ids=lambda k: f"L{k[0]}-{'offload' if k[1] else 'saved'}-{k[2]}")
 def test_compiles_without_fallback_and_moves_only_the_layers(key):
   record = case(*key)
@@ -106,3 +111,20 @@ def test_abstract_inputs_compile_the_same_program_as_real_arrays():
   for key in ("device_peak_bytes", "host_peak_bytes", "device_temp_bytes", "host_temp_bytes", "to_device_bytes",
               "to_host_bytes", "transfers", "host_calls"):
     assert abstract[key] == real[key], key
+
+
+def test_the_host_state_step_stages_at_most_three_slices_of_state_whatever_the_depth():
+  shallow, deep = case(2, tier="host_state"), case(4, tier="host_state")
+  figures = deep["figures"]
+  assert figures["sliced"] >= figures["stacked"], figures  # every stacked leaf crosses in slices
+  for record in (shallow, deep):
+    report = record["report"]
+    assert not report["warnings"], report["warnings"][:2]
+    assert report["device_temp_bytes"] <= 3 * record["figures"]["largest_slice_bytes"], (
+        report["device_temp_bytes"], record["figures"])
+    assert report["host_temp_bytes"] <= SLACK  # the state is written back in place
+  # Twice the layers, the same staging but for the small stacked leaves that cross whole (the norms'
+  # scales: kB); staging whole stacked leaves would add two layers' state of each (tens of MB here).
+  grown = deep["report"]["device_temp_bytes"] - shallow["report"]["device_temp_bytes"]
+  assert grown <= 0.01 * figures["largest_slice_bytes"], grown
+  assert deep["figures"]["state_bytes"] > 10 * figures["largest_slice_bytes"]

@@ -81,6 +81,45 @@ def test_every_tier_equals_the_device_step(tier_spec, fused):
     assert got[k].sharding.memory_kind == "device"
 
 
+
+# A host_state leaf larger than a stage crosses a slice of rows at a time (plan.assign_slices): with the
+# budget made small, a stacked (6, 64, 256) leaf is cut into slices of 1 or 2 rows, whatever its format.
+SLICED_BUDGET = 70_000
+
+
+@needs_host
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("dtype, kw, rows", [
+    (jnp.float32, {}, 1),  # 8 B per value: a row is 131 kB, over the budget
+    (jnp.float32, {"moment_format": "8bit"}, 2),  # codes and scales: 33 kB per row
+    (jnp.bfloat16, {"master": "float32"}, 1),
+    (jnp.bfloat16, {"master": "kahan", "moment_format": "8bit"}, 1),
+    (jnp.bfloat16, {"master": "stochastic"}, 1),  # every slice draws the bits the whole leaf draws there
+])
+def test_a_stacked_host_state_leaf_stepped_in_slices_of_rows_equals_the_device_step(dtype, kw, rows, fused,
+                                                                                    monkeypatch):
+  monkeypatch.setattr(optax_hybrid.plan, "STREAM_STAGE_BYTES", SLICED_BUDGET)
+  params = placed_params({"stack": (6, 64, 256), "b": (256,)}, dtype)
+  grads = grads_like(params, 3)
+  kw = dict(weight_decay=0.1, kernel="xla", mask={"stack": True, "b": False}, **kw)
+  want, want_state = run(optax_hybrid.hybrid_adamw(1e-2, **kw), params, grads, fused)
+  tx = optax_hybrid.hybrid_adamw(1e-2, tiers="host_state", **kw)
+  assert [lp.slice_rows for lp in tx.init(params).plan.leaves] == [0, rows]  # b is small: it crosses whole
+  got, state = run(tx, params, grads, fused)
+  exact = dtype == jnp.bfloat16  # a master writes the param once, rounded: the same bits
+  for k in params:
+    if exact:
+      np.testing.assert_array_equal(np.asarray(got[k]), np.asarray(want[k]))
+    else:
+      np.testing.assert_allclose(np.asarray(got[k]), np.asarray(want[k]), rtol=1e-6, atol=1e-7)
+    for field in ("mu", "nu", "master", "mu_scales"):
+      if getattr(want_state, field) is None:  # no master, or no 8-bit scales
+        continue
+      for a, b in zip(jax.tree.leaves(getattr(state, field)[k]), jax.tree.leaves(getattr(want_state, field)[k])):
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=1e-6, atol=1e-7)
+    assert all(x.sharding.memory_kind == "pinned_host" for x in jax.tree.leaves(state.mu[k]))
+
+
 def transfers(jaxpr):
   """Bytes moved by device_put between memory spaces, (to host, to device), over a jaxpr and its sub-jaxprs."""
   to_host = to_device = 0
