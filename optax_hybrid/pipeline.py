@@ -282,9 +282,8 @@ def _store(lp: LeafPlan, leaf: LeafIn, result: tuple) -> LeafOut:
   """
   first, state, master = result
   if lp.runs_on == "device":
-    first = _compat.move(first, lp.param_space)  # params streamed from host memory stay there
     if lp.state_space == DEVICE:
-      return LeafOut(first, state, master)  # computed where it lives
+      return LeafOut(first, state, master)  # computed where it lives (a device run's param is on the device)
     # Computed on the device, so known to be there: copied out. A disk leaf's state goes to its files from here.
     to_host = lambda x: jax.tree.map(lambda a: _compat.move(a, HOST), x)  # a leaf run in slices is there
     return LeafOut(first, state if lp.on_disk else to_host(state), to_host(master))
@@ -342,7 +341,7 @@ def _run_in_row_slices(plans: Sequence[LeafPlan], leaves: Sequence[LeafIn], plan
   A loop over the slices brings a slice of the state (and what the master
   keeps) from host memory to the device, runs the kernel on it with the
   gradient's and the param's rows, and writes the new state back into the
-  host buffers and the first result into its buffer, in place, before
+  host buffers and the first result into a device buffer, in place, before
   the next trip: a stacked layer's state crosses the device a slice at a
   time instead of whole (:attr:`LeafPlan.slice_rows`). A random master
   format's slice draws the bits the whole leaf would draw at its positions
@@ -361,9 +360,7 @@ def _run_in_row_slices(plans: Sequence[LeafPlan], leaves: Sequence[LeafIn], plan
   in_place = write_params and param is not None  # the new param overwrites the param, row by row
   kept = master is not None and master.keeps
   grad = _compat.move(leaf.grad, DEVICE)
-  # The first result's buffer lives where the param does (params streamed from host memory stay there).
-  first = (param.astype(facts[0].out_dtype) if in_place else
-           _compat.move(lax.empty(shape, facts[0].out_dtype), lp.param_space))
+  first = param.astype(facts[0].out_dtype) if in_place else _compat.move(lax.empty(shape, facts[0].out_dtype), DEVICE)
 
   def trip(k, carry):
     first, state, kept_master = carry
