@@ -72,7 +72,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, os.pardir))
 import optax_hybrid  # noqa: E402
-from optax_hybrid import gpu_compile  # noqa: E402
+from optax_hybrid import gpu_compile, plan  # noqa: E402
 
 GB = 1e9
 F32 = dict(mu_dtype=jnp.float32, nu_dtype=jnp.float32, master_dtype=jnp.float32)
@@ -425,10 +425,18 @@ def streaming_figures(setup: str, layers: int, target: str, moments: str) -> dic
   report = gpu_compile.compile_for_gpu(train_step, model.params, state, model.batch, target=target,
                                        donate_argnums=(0, 1))
   n = model.num_params
-  return dict(setup=setup, layers=layers, params=n, device=report.device_peak_bytes, host=report.host_peak_bytes,
-              device_temp=report.device_temp_bytes, to_device_per_param=report.to_device_bytes / n,
-              to_host_per_param=report.to_host_bytes / n, warnings=len(report.warnings),
-              carry_bytes=2048 * 4096 * 2)
+  figures = dict(setup=setup, layers=layers, params=n, device=report.device_peak_bytes, host=report.host_peak_bytes,
+                 device_temp=report.device_temp_bytes, to_device_per_param=report.to_device_bytes / n,
+                 to_host_per_param=report.to_host_bytes / n, warnings=len(report.warnings),
+                 carry_bytes=2048 * 4096 * 2)
+  if tier == "host_state":  # the step alone: what it stages on the device, against a layer's slice of state
+    step = gpu_compile.compile_for_gpu(tx.step, model.params, state, model.params, target=target,
+                                       donate_argnums=(0, 1))
+    shapes = [x.shape for x in jax.tree.leaves(model.params)]
+    figures.update(step_device_temp=step.device_temp_bytes, step_host_temp=step.host_temp_bytes,
+                   largest_slice=max(plan.state_bytes(lp, (lp.slice_rows or shape[0], *shape[1:]))
+                                     for lp, shape in zip(state.plan.leaves, shapes) if lp.streamed))
+  return figures
 
 
 def streaming_table(args) -> list[dict]:
@@ -456,6 +464,11 @@ def streaming_table(args) -> list[dict]:
     print(f"| {r['setup']} | {r['layers']} | {r['params'] / 1e9:.2f} B | {r['device'] / GB:.2f} | {growth} | "
           f"{r['host'] / GB:.0f} | {r['to_device_per_param']:.2f} | {r['to_host_per_param']:.2f} | {r['warnings']} |")
   print(f"\n(one saved carry, 1 x 2048 x 4096 bf16: {rows[0]['carry_bytes'] / 1e6:.1f} MB)")
+  for r in rows:
+    if "step_device_temp" in r:
+      print(f"{r['setup']}, {r['layers']} layers, the step alone: device temporaries "
+            f"{r['step_device_temp'] / 1e6:.1f} MB = {r['step_device_temp'] / r['largest_slice']:.2f} x the largest "
+            f"slice of state ({r['largest_slice'] / 1e6:.1f} MB), host temporaries {r['step_host_temp'] / 1e6:.1f} MB")
   return rows
 
 
