@@ -264,8 +264,7 @@ def test_the_pallas_kernel_steps_like_the_reference(rule, moment_format):
 
 
 @pytest.mark.parametrize("moment_format", [None, "8bit"])
-def test_every_rule_compiles_for_an_h100_as_one_triton_launch_in_place(moment_format):
-  pytest.importorskip("jax_cuda12_plugin", reason="needs the gpu-compile extra")
+def test_every_rule_compiles_for_an_h100_as_one_triton_launch_in_place(moment_format, cuda_compiler_plugin):
   from optax_hybrid import gpu_compile
   one_device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
   params = {k: jax.ShapeDtypeStruct(s, jnp.float32, sharding=one_device) for k, s in {"w": (256, 2048),
