@@ -496,6 +496,9 @@ CAPACITY_SETUPS = {
         1e-4, weight_decay=0.1, tiers="host", master="kahan", moment_format="8bit"), True),
     "host tier + scan_layers, stochastic rounding, 8-bit moments": (jnp.bfloat16, lambda: optax_hybrid.hybrid_adamw(
         1e-4, weight_decay=0.1, tiers="host", master="stochastic", moment_format="8bit"), True),
+    "host_state tier + scan_layers, stochastic rounding, 8-bit moments": (jnp.bfloat16, lambda: (
+        optax_hybrid.hybrid_adamw(1e-4, weight_decay=0.1, tiers="host_state", master="stochastic",
+                                  moment_format="8bit")), True),
 }
 assert not any(";" in name for name in CAPACITY_SETUPS)  # --capacity-setups splits on semicolons
 HOST_MEMORIES = {"128 GiB": 128 * 2**30, "256 GB": 256e9, "1 TB": 1e12, "2 TB": 2e12}

@@ -282,6 +282,7 @@ def _store(lp: LeafPlan, leaf: LeafIn, result: tuple) -> LeafOut:
   """
   first, state, master = result
   if lp.runs_on == "device":
+    first = _compat.move(first, lp.param_space)  # a host_state param in host memory goes back there
     if lp.state_space == DEVICE:
       return LeafOut(first, state, master)  # computed where it lives (a device run's param is on the device)
     # Computed on the device, so known to be there: copied out. A disk leaf's state goes to its files from here.
@@ -317,7 +318,7 @@ def _run_group(plans: Sequence[LeafPlan], leaves: Sequence[LeafIn], plan: Plan, 
     else:  # the state in host memory as gather typed it (host_state; a disk leaf's master) is copied in
       to = lambda x: jax.tree.map(lambda a: jax.device_put(a, DEVICE), x)
       operands.append(LeafOperands(_compat.move(leaf.grad, DEVICE), leaf.state if lp.on_disk else to(leaf.state),
-                                   param, to(leaf.master)))
+                                   None if param is None else _compat.move(param, DEVICE), to(leaf.master)))
   compute = functools.partial(_compute, facts=_facts(plans, leaves, write_params),
                               step=step_of(rule, write_params=write_params, master=master))
   kernels = kernels_for(plan.kernel, fused=fused, runs_on=where, split=plan.split, rule=rule)
@@ -359,8 +360,9 @@ def _run_in_row_slices(plans: Sequence[LeafPlan], leaves: Sequence[LeafIn], plan
   param = _param_read(lp, leaf, master, write_params)
   in_place = write_params and param is not None  # the new param overwrites the param, row by row
   kept = master is not None and master.keeps
-  grad = _compat.move(leaf.grad, DEVICE)
-  first = param.astype(facts[0].out_dtype) if in_place else _compat.move(lax.empty(shape, facts[0].out_dtype), DEVICE)
+  # The first result's buffer lives where the param does (host memory for layers streamed by scan_layers).
+  first = (param.astype(facts[0].out_dtype) if in_place else
+           _compat.move(lax.empty(shape, facts[0].out_dtype), lp.param_space))
 
   def trip(k, carry):
     first, state, kept_master = carry
@@ -370,7 +372,7 @@ def _run_in_row_slices(plans: Sequence[LeafPlan], leaves: Sequence[LeafIn], plan
     read = first if in_place else param
     seed = None if master is None or kept else masters.seed_at(leaf.master, start.astype(jnp.uint32) *
                                                                 jnp.uint32(row_size))
-    ops = LeafOperands(take(grad), fetch(state), None if read is None else fetch(read),
+    ops = LeafOperands(fetch(leaf.grad), fetch(state), None if read is None else fetch(read),
                        fetch(kept_master) if kept else seed)
     new_first, new_state, new_master = per_platform(branches, [ops], s)[0]
     put = lambda buf, x: lax.dynamic_update_slice_in_dim(buf, _compat.move(x, _compat.memory_space_of(buf)),

@@ -149,7 +149,8 @@ def resolve(params: Any, *, tiers: TierSpec, state_memory_kind: placement.Memory
           f"{owner}: the param at {jax.tree_util.keystr(path_leaf[0])} lives in host memory, so it is "
           "updated on the host; give it the 'host' tier (its moments in pinned_host), not 'disk'.")
     if pkind == placement.HOST_KIND:
-      names.append(HOST_TIER)  # computed on the host, wherever its state is
+      # Computed on the host, wherever its state is; or, asked for, on the device a slice at a time.
+      names.append(HOST_STATE_TIER if want == HOST_STATE_TIER else HOST_TIER)
     elif want is not None:
       names.append(want)
     else:

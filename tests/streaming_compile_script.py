@@ -8,7 +8,9 @@ master; params and state donated) of ``benchmarks/models.py``'s Llama-style
 decoder whose layers live in ``pinned_host`` and run by
 ``optax_hybrid.scan_layers``, at a depth, with or without the saved carries
 offloaded, from abstract inputs (``ShapeDtypeStruct`` s placed with a
-``NamedSharding``) or real arrays. A ``host_state`` case compiles the
+``NamedSharding``) or real arrays; with ``tiers="host"`` or, for two cases,
+``tiers="host_state"`` (the layers stepped on the device a slice at a time).
+A ``step_only`` case compiles the
 optimizer step alone (``tx.step(params, state, grads)``) of the same model's
 params, layers stacked on the device, with ``tiers="host_state"`` and a stage
 budget of :data:`SLICE_BUDGET`, so that every stacked leaf crosses a layer at a
@@ -55,8 +57,10 @@ def cases() -> list[dict]:
   out = [dict(layers=n, offload=False, inputs="abstract") for n in (2, 4)]
   out += [dict(layers=n, offload=True, inputs="abstract") for n in (2, 4)]
   out += [dict(layers=4, offload=False, inputs="real")]
-  out = [dict(c, tier="host") for c in out]
-  out += [dict(layers=n, offload=False, inputs="abstract", tier="host_state") for n in (2, 4)]
+  out = [dict(c, tier="host", step_only=False) for c in out]
+  # The layers in pinned_host stepped on the device a slice at a time (tiers="host_state").
+  out += [dict(layers=n, offload=False, inputs="abstract", tier="host_state", step_only=False) for n in (2, 4)]
+  out += [dict(layers=n, offload=False, inputs="abstract", tier="host_state", step_only=True) for n in (2, 4)]
   return out
 
 
@@ -74,12 +78,12 @@ def realize(tree):
 
 
 def run(case: dict) -> dict:
-  if case["tier"] == "host_state":
+  if case["step_only"]:
     return run_host_state_step(case)
   model = models.llama(jnp.bfloat16, stream=True, offload_carries=case["offload"], layers_memory_kind="pinned_host",
                        layers=case["layers"], **SIZES)
   params = model.params if case["inputs"] == "abstract" else realize(model.params)
-  tx = optax_hybrid.hybrid_adamw(1e-3, weight_decay=0.1, tiers="host", master_dtype=jnp.float32,
+  tx = optax_hybrid.hybrid_adamw(1e-3, weight_decay=0.1, tiers=case["tier"], master_dtype=jnp.float32,
                                  moment_format="float32")
   state = tx.init(params)
   if case["inputs"] == "abstract":

@@ -49,7 +49,7 @@ def compiled() -> dict:
     if line.startswith("{") and '"index"' in line:
       record = json.loads(line)
       c = record["case"]
-      results[(c["layers"], c["offload"], c["inputs"], c["tier"])] = record
+      results[(c["layers"], c["offload"], c["inputs"], c["tier"], c["step_only"])] = record
   if len(results) != len(script.cases()):
     raise RuntimeError(f"{SCRIPT} stopped after {len(results)} cases:\n{proc.stderr[-3000:]}")
   for key, record in results.items():
@@ -61,8 +61,8 @@ def compiled() -> dict:
 pytestmark = [pytest.mark.usefixtures("cuda_compiler_plugin"), pytest.mark.xdist_group("tests/test_streaming_compile.py")]
 
 
-def case(layers, offload=False, inputs="abstract", tier="host"):
-  return compiled()[(layers, offload, inputs, tier)]
+def case(layers, offload=False, inputs="abstract", tier="host", step_only=False):
+  return compiled()[(layers, offload, inputs, tier, step_only)]
 
 
 @pytest.mark.parametrize("key", [(c["layers"], c["offload"], c["inputs"]) for c in script.cases()
@@ -114,7 +114,7 @@ def test_abstract_inputs_compile_the_same_program_as_real_arrays():
 
 
 def test_the_host_state_step_stages_at_most_three_slices_of_state_whatever_the_depth():
-  shallow, deep = case(2, tier="host_state"), case(4, tier="host_state")
+  shallow, deep = case(2, tier="host_state", step_only=True), case(4, tier="host_state", step_only=True)
   figures = deep["figures"]
   assert figures["sliced"] >= figures["stacked"], figures  # every stacked leaf crosses in slices
   for record in (shallow, deep):
@@ -128,3 +128,20 @@ def test_the_host_state_step_stages_at_most_three_slices_of_state_whatever_the_d
   grown = deep["report"]["device_temp_bytes"] - shallow["report"]["device_temp_bytes"]
   assert grown <= 0.01 * figures["largest_slice_bytes"], grown
   assert deep["figures"]["state_bytes"] > 10 * figures["largest_slice_bytes"]
+
+
+def test_streamed_layers_stepped_on_the_device_keep_only_the_gradient_in_host_temporaries():
+  # tiers="host_state" with the layers in pinned_host: each layer's slice of params, gradient and state crosses
+  # to the device and back, written in place; the host's temporaries are scan_layers' gradient buffer alone.
+  shallow, deep = case(2, tier="host_state"), case(4, tier="host_state")
+  for record in (shallow, deep):
+    report, figures = record["report"], record["figures"]
+    assert not report["warnings"], report["warnings"][:2]
+    gradient_buffer = figures["layer_bytes"] * record["case"]["layers"]
+    assert gradient_buffer <= report["host_temp_bytes"] <= gradient_buffer + SLACK, (
+        report["host_temp_bytes"], gradient_buffer)
+  # Two more layers grow the device by their saved carries and small leaves crossing whole (the norms'
+  # scales), not by a layer's params, gradient or state (each a layer's size or more).
+  grown = deep["report"]["device_peak_bytes"] - shallow["report"]["device_peak_bytes"]
+  assert grown <= 2 * deep["figures"]["carry_bytes"] * 1.05 + 0.05 * deep["figures"]["layer_bytes"], (
+      grown, deep["figures"])

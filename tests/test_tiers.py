@@ -120,6 +120,32 @@ def test_a_stacked_host_state_leaf_stepped_in_slices_of_rows_equals_the_device_s
     assert all(x.sharding.memory_kind == "pinned_host" for x in jax.tree.leaves(state.mu[k]))
 
 
+
+@needs_host
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("master, moments", [("stochastic", "8bit"), ("float32", "float32")])
+def test_host_resident_params_asked_for_host_state_are_stepped_on_the_device_and_stay_in_host_memory(
+    master, moments, fused, monkeypatch):
+  # Layers streamed by scan_layers live in pinned_host; tiers="host_state" steps them on the device a slice
+  # at a time (the stack) or whole (the bias), where any other tier leaves them to the host tier.
+  monkeypatch.setattr(optax_hybrid.plan, "STREAM_STAGE_BYTES", SLICED_BUDGET)
+  on_device = placed_params({"stack": (6, 64, 256), "b": (256,)}, jnp.bfloat16)
+  grads = grads_like(on_device, 3)
+  in_host = jax.device_put(on_device, jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="pinned_host"))
+  kw = dict(weight_decay=0.1, kernel="xla", master=master, moment_format=moments)
+  want, _ = run(optax_hybrid.hybrid_adamw(1e-2, **kw), on_device, grads, fused)
+  tx = optax_hybrid.hybrid_adamw(1e-2, tiers="host_state", **kw)
+  assert [(lp.tier, lp.runs_on, lp.slice_rows > 0) for lp in tx.init(in_host).plan.leaves] == [
+      ("host_state", "device", False), ("host_state", "device", True)]
+  assert {lp.tier for lp in optax_hybrid.hybrid_adamw(1e-2, tiers="device", **kw).init(in_host).plan.leaves} == {
+      "host"}
+  got, state = run(tx, in_host, [jax.device_put(g, HOST) for g in grads], fused)
+  for k in on_device:
+    np.testing.assert_array_equal(np.asarray(got[k]), np.asarray(want[k]))
+    assert got[k].sharding.memory_kind == "pinned_host"
+    assert all(x.sharding.memory_kind == "pinned_host" for x in jax.tree.leaves(state.mu[k]))
+
+
 def transfers(jaxpr):
   """Bytes moved by device_put between memory spaces, (to host, to device), over a jaxpr and its sub-jaxprs."""
   to_host = to_device = 0
