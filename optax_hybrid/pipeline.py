@@ -340,11 +340,12 @@ def _run_in_row_slices(plans: Sequence[LeafPlan], leaves: Sequence[LeafIn], plan
   """A ``host_state`` leaf larger than a stage, ``slice_rows`` rows of its first axis at a time.
 
   A loop over the slices brings a slice of the state (and what the master
-  keeps) from host memory to the device, runs the kernel on it with the
-  gradient's and the param's rows, and writes the new state back into the
-  host buffers and the first result into a device buffer, in place, before
-  the next trip: a stacked layer's state crosses the device a slice at a
-  time instead of whole (:attr:`LeafPlan.slice_rows`). A random master
+  keeps) from host memory to the device with the gradient's and the param's
+  rows (from host memory too for layers streamed by ``scan_layers``), runs
+  the kernel on it, and writes the new state back into the host buffers and
+  the first result into its buffer where the param lives, in place, before
+  the next trip: a stacked layer's data crosses the device a slice at a time
+  instead of whole (:attr:`LeafPlan.slice_rows`). A random master
   format's slice draws the bits the whole leaf would draw at its positions
   (:func:`optax_hybrid.masters.seed_at`). Returns ``[(first, state, master)]``
   with the state and master already in host memory.
