@@ -515,3 +515,14 @@ def test_clipping_equals_optax_for_gradients_in_host_memory(scale):
     np.testing.assert_allclose(np.asarray(got[key], np.float32), np.asarray(expected[key], np.float32), rtol=1e-6)
   jaxpr = jax.make_jaxpr(clipped)(placed)
   assert optax_hybrid.host_arithmetic_outside_host_compute(jaxpr) == []
+
+
+@pytest.mark.parametrize("options,message", [
+    (dict(min_lr=-1.0), "`min_lr` must be >= 0.0, got -1.0."),
+    (dict(min_lr_ratio=-0.5), "`min_lr_ratio` must be in [0.0, 1.0], got -0.5."),
+    (dict(min_lr_ratio=1.5), "`min_lr_ratio` must be in [0.0, 1.0], got 1.5."),
+])
+def test_a_schedule_floor_out_of_range_is_refused_naming_the_argument(options, message):
+  # mutmut: recipe._build_schedule 53 (the argument's name "min_lr" in the check replaced) survived.
+  with pytest.raises(ValueError, match=re.escape(f"standard_optimizer: {message}")):
+    standard_optimizer(1e-3, total_steps=10, **options)
