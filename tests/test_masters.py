@@ -103,6 +103,24 @@ def test_stochastic_rounding_gives_a_neighbour_and_is_unbiased(dtype):
     assert abs(got.mean() - float(value)) < 5 * stderr + 1e-12, (value, got.mean())
 
 
+@pytest.mark.parametrize("dtype", [BF16, F16], ids=["bfloat16", "float16"])
+def test_stochastic_rounding_goes_up_exactly_when_the_draw_is_below_the_fraction(dtype):
+  # The rule: up (to hi) when the uniform draw u (the top 24 of the bits, times 2**-24) is below
+  # (x - lo) / (hi - lo). Draw 0 rounds every inexact value up, the largest draw rounds it down: every
+  # float32 bit pattern, its last mantissa bits included. mutmut: masters.stochastic_round 14 (the
+  # exponent mask 0x7F800000 -> 0x7F800001, which moved x with an odd last bit across the floor) survived
+  # the random draws (it changes a result with probability about 2**-16).
+  rng = np.random.default_rng(2)
+  patterns = rng.integers(0, 2**32, 4000, dtype=np.uint64).astype(np.uint32)
+  x = patterns.view(np.float32)
+  x = x[np.isfinite(x) & (np.abs(x) > 2.0**-14) & (np.abs(x) < 6e4)]  # dtype's normal range (float16's)
+  x = np.concatenate([x, np.float32([1.5 + 2**-23, -1.5 - 2**-23, 1.0 + 2**-23])])
+  lo, hi = _neighbours(x, dtype)
+  for bits, want in ((0, hi), (2**32 - 1, lo)):
+    got = np.asarray(masters.stochastic_round(jnp.asarray(x), dtype, jnp.full(x.shape, bits, jnp.uint32)))
+    np.testing.assert_array_equal(got.astype(np.float64), want)
+
+
 def test_stochastic_rounding_passes_infinities_and_nans_through():
   x = jnp.asarray([np.inf, -np.inf, np.nan, 1e30], jnp.float32)
   got = np.asarray(masters.stochastic_round(x, BF16, masters.positions((4,))).astype(jnp.float32))
