@@ -148,13 +148,19 @@ def test_one_custom_call_for_many_leaves_and_fallback_for_the_rest():
   lowered = jax.jit(fn(native_cpu.update_leaves)).lower(g, m, v, p).as_text()
   assert lowered.count(f"custom_call @{native_cpu.TARGET}(") == 1  # not one call per leaf
   # Past MAX_LEAVES_PER_CALL the leaves are split over a few calls (compile time).
-  many = [jnp.full((2,), 0.5, jnp.float32)] * (2 * native_cpu.MAX_LEAVES_PER_CALL + 1)
+  # Distinct leaves, so that a leaf given another's result shows (mutmut: contract.chunks 10, overlapping
+  # chunks [0:64], [0:128], [0:192], survived identical leaves).
+  many = [jnp.full((2,), 0.5 + i, jnp.float32) for i in range(2 * native_cpu.MAX_LEAVES_PER_CALL + 1)]
   zeros = [jnp.zeros(2)] * len(many)
-  lowered_many = jax.jit(lambda g, m, v, p: call_kernel(
-      native_cpu.update_leaves, g, m, v, p, [False] * len(many), [jnp.float32] * len(many), s,
-      adamw_mode=True)).lower(
-          many, zeros, zeros, many).as_text()
+  fn_many = lambda kernel: jax.jit(lambda g, m, v, p: call_kernel(
+      kernel, g, m, v, p, [False] * len(many), [jnp.float32] * len(many), s, adamw_mode=True))
+  lowered_many = fn_many(native_cpu.update_leaves).lower(many, zeros, zeros, many).as_text()
   assert lowered_many.count(f"custom_call @{native_cpu.TARGET}(") == 3
+  got_many = fn_many(native_cpu.update_leaves)(many, zeros, zeros, many)
+  want_many = fn_many(reference.update_leaves)(many, zeros, zeros, many)
+  assert len(jax.tree.leaves(got_many)) == len(jax.tree.leaves(want_many))
+  for a, b in zip(jax.tree.leaves(got_many), jax.tree.leaves(want_many)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-6, atol=1e-8)
   got = jax.jit(fn(native_cpu.update_leaves))(g, m, v, p)
   want = jax.jit(fn(reference.update_leaves))(g, m, v, p)
   for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
