@@ -129,6 +129,18 @@ def test_cuda_lowering_aliases_params_and_moments_in_place():
   assert call.count("#stablehlo.output_operand_alias<") == 9
 
 
+@pytest.mark.parametrize("platform", ["cuda", "rocm"])
+def test_lowered_for_either_gpu_platform_the_kernel_is_compiled_not_interpreted(platform):
+  # Triton serves CUDA and ROCm (the Pallas kernel's docstring). mutmut: kernels.pallas_gpu.update_leaves 82
+  # (the "rocm" branch misnamed: ROCm got the interpret-mode kernel) survived, no test lowered for ROCm.
+  tx = optax_hybrid.hybrid_adamw(1e-3, weight_decay=0.1, kernel="pallas")
+  params = {"w": jax.ShapeDtypeStruct((100,), jnp.bfloat16)}
+  state = jax.eval_shape(tx.init, params)
+  with kernels.lowering_for(platform):
+    text = jax.jit(tx.step).trace(params, state, params).lower(lowering_platforms=(platform,)).as_text()
+  assert pallas_gpu.gpu_launches(text) == 1
+
+
 @pytest.mark.parametrize("master", [None, "float32"])
 def test_cuda_launches_use_the_kernels_warps_with_and_without_a_float32_master(master):
   # Triton's num_warps (pallas_gpu.NUM_WARPS, 8, what the kernel was tuned with) reaches every launch, also
