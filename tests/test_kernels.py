@@ -51,6 +51,20 @@ def test_kernel_choice_follows_the_platform_the_step_is_lowered_for():
     kernels.kernels_for("triton", fused=True)
 
 
+def test_lowering_platforms_are_the_declared_ones_else_the_backends(monkeypatch):
+  # JAX's "gpu" backend lowers for "cuda" or "rocm" (the names lax.platform_dependent takes), so both
+  # branches are kept there. mutmut: kernels.contract.lowering_platforms 8 (the "gpu" key misspelled) survived:
+  # every test ran on the CPU backend.
+  from optax_hybrid.kernels import contract
+  assert contract.lowering_platforms() == ("cpu",)
+  with kernels.lowering_for("cuda", "cpu"):
+    assert contract.lowering_platforms() == ("cuda", "cpu")
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  assert contract.lowering_platforms() == ("cuda", "rocm")
+  monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
+  assert contract.lowering_platforms() == ("tpu",)
+
+
 @pytest.mark.parametrize("adamw_mode,bias_correction,decay", list(itertools.product([True, False], repeat=3)))
 def test_leaf_update_against_float64(adamw_mode, bias_correction, decay):
   rng = np.random.default_rng(3)
