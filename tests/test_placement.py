@@ -218,3 +218,21 @@ def test_row_major_constrains_matrices_whole_on_one_device_and_shard_by_shard_on
   assert primitives(NamedSharding(mesh(1), PartitionSpec("d")), (6, 4)) == ["layout_constraint"]
   for n in (2, 8):
     assert primitives(NamedSharding(mesh(n), PartitionSpec("d")), (8, 4)) == ["shard_map", "shard_map/layout_constraint"]
+
+
+@pytest.mark.parametrize("tiers", ["device", "host_state"])
+def test_an_abstract_state_has_its_step_counter_replicated_over_the_params_devices(tiers):
+  # Abstract params (ShapeDtypeStructs with shardings: what a checkpoint is restored into) give an abstract
+  # count placed as a concrete init places it: on the params' devices, in device memory, replicated.
+  # mutmut: placement.step_counter_like 36 (the abstract count's sharding dropped) survived.
+  from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
+  device = jax.devices()[0]
+  mesh = jax.make_mesh((1,), ("d",))
+  tx = optax_hybrid.hybrid_adamw(1e-3, tiers=tiers)
+  for sharding, spec in ((SingleDeviceSharding(device), None), (NamedSharding(mesh, PartitionSpec("d")), PartitionSpec())):
+    count = tx.init({"w": jax.ShapeDtypeStruct((4, 3), jnp.float32, sharding=sharding)}).count
+    assert isinstance(count, jax.ShapeDtypeStruct) and count.shape == () and count.dtype == jnp.int32
+    assert type(count.sharding) is type(sharding) and count.sharding.device_set == {device}
+    assert count.sharding.memory_kind == "device"
+    if spec is not None:
+      assert count.sharding.spec == spec and count.sharding.mesh == mesh
