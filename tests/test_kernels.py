@@ -51,6 +51,22 @@ def test_kernel_choice_follows_the_platform_the_step_is_lowered_for():
     kernels.kernels_for("triton", fused=True)
 
 
+def test_a_rule_the_native_kernel_lacks_keeps_every_other_kernel_choice():
+  # Lion: not in the C++ loops (native_cpu.implements). "native" falls back to the reference rule, "auto" to
+  # Pallas on GPUs and the reference elsewhere; "xla" and "pallas" are kept as asked. mutmut:
+  # kernels.kernels_for 9 (the fallback applied to every kernel but native and auto) survived.
+  from optax_hybrid.rules.lion import Lion
+  from optax_hybrid.rules.adamw import AdamW
+  assert not native_cpu.implements(Lion()) and native_cpu.implements(AdamW())
+  pallas, ref = pallas_gpu.update_leaves, reference.update_leaves
+  for fused in (True, False):
+    assert kernels.kernels_for("xla", fused=fused, rule=Lion()) == {"default": ref}
+    assert kernels.kernels_for("pallas", fused=fused, rule=Lion()) == {"default": pallas}
+    assert kernels.kernels_for("native", fused=fused, rule=Lion()) == {"default": ref}
+    assert kernels.kernels_for("auto", fused=fused, rule=Lion()) == {"cuda": pallas, "rocm": pallas, "cpu": ref,
+                                                                     "default": ref}
+
+
 def test_lowering_platforms_are_the_declared_ones_else_the_backends(monkeypatch):
   # JAX's "gpu" backend lowers for "cuda" or "rocm" (the names lax.platform_dependent takes), so both
   # branches are kept there. mutmut: kernels.contract.lowering_platforms 8 (the "gpu" key misspelled) survived:
