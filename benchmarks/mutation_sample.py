@@ -28,6 +28,7 @@ import argparse
 import collections
 import os
 import random
+import shutil
 import subprocess
 import sys
 import time
@@ -113,7 +114,9 @@ def main(argv=None):
     print("\n".join(names))
     return
   if not args.table_only:
-    command = ["mutmut", "run", "--max-children", "1", *names]
+    # mutmut's own script beside this Python (`python -m mutmut` re-imports its __main__, which it warns against)
+    mutmut = shutil.which("mutmut", path=os.path.dirname(sys.executable)) or "mutmut"
+    command = [mutmut, "run", "--max-children", "1", *names]
     print(f"{time.strftime('%Y-%m-%d %H:%M:%S %Z')}: mutmut run --max-children 1 with {len(names)} mutants "
           f"of {len(modules)} modules (seed {args.seed}, {args.per_module} per module)", flush=True)
     start = time.monotonic()
