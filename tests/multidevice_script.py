@@ -123,6 +123,15 @@ for kind in ("device", "pinned_host"):
     assert sz.mu[k].sharding.is_equivalent_to(NamedSharding(mesh, expected[k], memory_kind=kind), len(shapes[k]))
     np.testing.assert_allclose(np.asarray(jax.device_get(sz.nu[k])), np.asarray(s1.nu[k]), rtol=1e-6, atol=1e-12)
 
+# ZeRO-1 with a state that does not start at zero (Adagrad's accumulator): split like the moments above, every
+# element the initial value (mutmut: transform._leaf_state 19, the ZeRO-1 state made zeros, survived the
+# one-device selection).
+za = optax_hybrid.hybrid_adagrad(1e-2, initial_accumulator_value=0.25, shard_state_over="data").init(replicated())
+for k in shapes:
+  acc = za.sum_of_squares[k]
+  assert acc.sharding.is_equivalent_to(NamedSharding(mesh, expected[k]), len(shapes[k])), (k, acc.sharding)
+  np.testing.assert_array_equal(np.asarray(jax.device_get(acc)), np.full(shapes[k], 0.25, np.float32))
+
 # ZeRO-1 with bf16 params and an fp32 master split over "data".
 bf = {k: jax.device_put(v.astype(jnp.bfloat16), NamedSharding(mesh, P())) for k, v in host_values.items()}
 zm = optax_hybrid.hybrid_adamw(1e-2, weight_decay=0.0, state_memory_kind="pinned_host", shard_state_over="data",

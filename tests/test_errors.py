@@ -318,3 +318,16 @@ def test_a_bad_learning_rate_is_reported_by_the_function_called(name):
   # (options.check_learning_rate with owner None survived mutation testing: docs/testing.md).
   with pytest.raises(ValueError, match=rf"^{name}: `learning_rate` must be >= 0.0, got -0.001\.$"):
     getattr(optax_hybrid, name)(-1e-3)
+
+
+@pytest.mark.parametrize("name", ["hybrid_adamw", "hybrid_lion", "hybrid_adagrad", "hybrid_sgd"])
+@pytest.mark.parametrize("value,message", [
+    (True, "must be a number, got the bool True."),
+    ("0.5", "must be a number, got '0.5' of type str."),
+    (np.ones(2), "must be a scalar number, got an array of shape (2,) and dtype float64."),
+])
+def test_a_hyperparameter_that_is_not_a_number_is_reported_by_the_function_called(name, value, message):
+  # mutmut: _checks.hyperparameter 3 (the owner None in the not-a-number messages) survived.
+  argument = {"hybrid_adamw": "b1", "hybrid_lion": "b1", "hybrid_adagrad": "eps", "hybrid_sgd": "momentum"}[name]
+  with pytest.raises(TypeError, match="^" + re.escape(f"{name}: `{argument}` {message}") + "$"):
+    getattr(optax_hybrid, name)(1e-3, **{argument: value})

@@ -51,6 +51,36 @@ def test_kernel_choice_follows_the_platform_the_step_is_lowered_for():
     kernels.kernels_for("triton", fused=True)
 
 
+def test_a_rule_the_native_kernel_lacks_keeps_every_other_kernel_choice():
+  # Lion: not in the C++ loops (native_cpu.implements). "native" falls back to the reference rule, "auto" to
+  # Pallas on GPUs and the reference elsewhere; "xla" and "pallas" are kept as asked. mutmut:
+  # kernels.kernels_for 9 (the fallback applied to every kernel but native and auto) survived.
+  from optax_hybrid.rules.lion import Lion
+  from optax_hybrid.rules.adamw import AdamW
+  assert not native_cpu.implements(Lion()) and native_cpu.implements(AdamW())
+  pallas, ref = pallas_gpu.update_leaves, reference.update_leaves
+  for fused in (True, False):
+    assert kernels.kernels_for("xla", fused=fused, rule=Lion()) == {"default": ref}
+    assert kernels.kernels_for("pallas", fused=fused, rule=Lion()) == {"default": pallas}
+    assert kernels.kernels_for("native", fused=fused, rule=Lion()) == {"default": ref}
+    assert kernels.kernels_for("auto", fused=fused, rule=Lion()) == {"cuda": pallas, "rocm": pallas, "cpu": ref,
+                                                                     "default": ref}
+
+
+def test_lowering_platforms_are_the_declared_ones_else_the_backends(monkeypatch):
+  # JAX's "gpu" backend lowers for "cuda" or "rocm" (the names lax.platform_dependent takes), so both
+  # branches are kept there. mutmut: kernels.contract.lowering_platforms 8 (the "gpu" key misspelled) survived:
+  # every test ran on the CPU backend.
+  from optax_hybrid.kernels import contract
+  assert contract.lowering_platforms() == ("cpu",)
+  with kernels.lowering_for("cuda", "cpu"):
+    assert contract.lowering_platforms() == ("cuda", "cpu")
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  assert contract.lowering_platforms() == ("cuda", "rocm")
+  monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
+  assert contract.lowering_platforms() == ("tpu",)
+
+
 @pytest.mark.parametrize("adamw_mode,bias_correction,decay", list(itertools.product([True, False], repeat=3)))
 def test_leaf_update_against_float64(adamw_mode, bias_correction, decay):
   rng = np.random.default_rng(3)
@@ -148,13 +178,19 @@ def test_one_custom_call_for_many_leaves_and_fallback_for_the_rest():
   lowered = jax.jit(fn(native_cpu.update_leaves)).lower(g, m, v, p).as_text()
   assert lowered.count(f"custom_call @{native_cpu.TARGET}(") == 1  # not one call per leaf
   # Past MAX_LEAVES_PER_CALL the leaves are split over a few calls (compile time).
-  many = [jnp.full((2,), 0.5, jnp.float32)] * (2 * native_cpu.MAX_LEAVES_PER_CALL + 1)
+  # Distinct leaves, so that a leaf given another's result shows (mutmut: contract.chunks 10, overlapping
+  # chunks [0:64], [0:128], [0:192], survived identical leaves).
+  many = [jnp.full((2,), 0.5 + i, jnp.float32) for i in range(2 * native_cpu.MAX_LEAVES_PER_CALL + 1)]
   zeros = [jnp.zeros(2)] * len(many)
-  lowered_many = jax.jit(lambda g, m, v, p: call_kernel(
-      native_cpu.update_leaves, g, m, v, p, [False] * len(many), [jnp.float32] * len(many), s,
-      adamw_mode=True)).lower(
-          many, zeros, zeros, many).as_text()
+  fn_many = lambda kernel: jax.jit(lambda g, m, v, p: call_kernel(
+      kernel, g, m, v, p, [False] * len(many), [jnp.float32] * len(many), s, adamw_mode=True))
+  lowered_many = fn_many(native_cpu.update_leaves).lower(many, zeros, zeros, many).as_text()
   assert lowered_many.count(f"custom_call @{native_cpu.TARGET}(") == 3
+  got_many = fn_many(native_cpu.update_leaves)(many, zeros, zeros, many)
+  want_many = fn_many(reference.update_leaves)(many, zeros, zeros, many)
+  assert len(jax.tree.leaves(got_many)) == len(jax.tree.leaves(want_many))
+  for a, b in zip(jax.tree.leaves(got_many), jax.tree.leaves(want_many)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-6, atol=1e-8)
   got = jax.jit(fn(native_cpu.update_leaves))(g, m, v, p)
   want = jax.jit(fn(reference.update_leaves))(g, m, v, p)
   for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):

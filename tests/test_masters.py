@@ -103,6 +103,24 @@ def test_stochastic_rounding_gives_a_neighbour_and_is_unbiased(dtype):
     assert abs(got.mean() - float(value)) < 5 * stderr + 1e-12, (value, got.mean())
 
 
+@pytest.mark.parametrize("dtype", [BF16, F16], ids=["bfloat16", "float16"])
+def test_stochastic_rounding_goes_up_exactly_when_the_draw_is_below_the_fraction(dtype):
+  # The rule: up (to hi) when the uniform draw u (the top 24 of the bits, times 2**-24) is below
+  # (x - lo) / (hi - lo). Draw 0 rounds every inexact value up, the largest draw rounds it down: every
+  # float32 bit pattern, its last mantissa bits included. mutmut: masters.stochastic_round 14 (the
+  # exponent mask 0x7F800000 -> 0x7F800001, which moved x with an odd last bit across the floor) survived
+  # the random draws (it changes a result with probability about 2**-16).
+  rng = np.random.default_rng(2)
+  patterns = rng.integers(0, 2**32, 4000, dtype=np.uint64).astype(np.uint32)
+  x = patterns.view(np.float32)
+  x = x[np.isfinite(x) & (np.abs(x) > 2.0**-14) & (np.abs(x) < 6e4)]  # dtype's normal range (float16's)
+  x = np.concatenate([x, np.float32([1.5 + 2**-23, -1.5 - 2**-23, 1.0 + 2**-23])])
+  lo, hi = _neighbours(x, dtype)
+  for bits, want in ((0, hi), (2**32 - 1, lo)):
+    got = np.asarray(masters.stochastic_round(jnp.asarray(x), dtype, jnp.full(x.shape, bits, jnp.uint32)))
+    np.testing.assert_array_equal(got.astype(np.float64), want)
+
+
 def test_stochastic_rounding_passes_infinities_and_nans_through():
   x = jnp.asarray([np.inf, -np.inf, np.nan, 1e30], jnp.float32)
   got = np.asarray(masters.stochastic_round(x, BF16, masters.positions((4,))).astype(jnp.float32))
@@ -395,3 +413,33 @@ def test_positions_are_row_major_indices_modulo_2_to_the_32_for_any_leaf_size():
   start = 162 * 4096 * 11008
   np.testing.assert_array_equal(np.asarray(masters.positions((2, 3), start)),
                                 ((np.arange(6, dtype=np.uint64) + start) % 2**32).astype(np.uint32).reshape(2, 3))
+
+
+@pytest.mark.skipif(not optax_hybrid.kernels.native_cpu.available(), reason="native kernel: not built")
+@pytest.mark.parametrize("tiers", ["device", "host"])
+def test_a_float32_master_with_float32_gradients_runs_in_the_native_kernel_as_the_reference(tiers):
+  # bf16 params, float32 gradients and moments: the native kernel steps the float32 master as the param (kernels.reference.
+  # with_master_as_param), in host compute too, where its call must be emitted directly (no
+  # platform_dependent: lowered for two platforms, nested ones type their outputs' memory kinds apart).
+  # mutmut: kernels.native_cpu.update_leaves 31 (`direct` dropped in that path) survived.
+  rng = np.random.default_rng(4)
+  params = {"w": jnp.asarray(rng.normal(size=(24, 16)), jnp.bfloat16), "b": jnp.asarray(rng.normal(size=16), jnp.bfloat16)}
+  grads = [{k: jnp.asarray(rng.normal(size=v.shape), jnp.float32) for k, v in params.items()} for _ in range(3)]
+  runs = {}
+  for kernel in ("native", "xla"):
+    tx = optax_hybrid.hybrid_adamw(1e-2, master_dtype=jnp.float32, mu_dtype=jnp.float32, nu_dtype=jnp.float32,
+                                   tiers=tiers, kernel=kernel)
+    p, s = params, tx.init(params)
+    step = jax.jit(tx.step)
+    if kernel == "native":
+      assert "optax_hybrid_adamw_cpu" in step.lower(p, s, grads[0]).as_text()
+      # Lowered for a GPU and a CPU at once (kernels.lowering_for): the host group's platform_dependent
+      # picks the native kernel for the CPU, whose own call is then emitted directly.
+      with optax_hybrid.kernels.lowering_for("cuda", "cpu"):
+        both = step.trace(p, s, grads[0]).lower(lowering_platforms=("cuda", "cpu")).as_text()
+      assert "optax_hybrid_adamw_cpu" in both
+    for g in grads:
+      p, s = step(p, s, g)
+    runs[kernel] = (p, s.master, s.mu, s.nu)
+  for got, want in zip(jax.tree.leaves(runs["native"]), jax.tree.leaves(runs["xla"])):
+    np.testing.assert_allclose(np.asarray(got, np.float64), np.asarray(want, np.float64), rtol=1e-5, atol=1e-7)

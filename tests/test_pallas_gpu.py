@@ -129,6 +129,29 @@ def test_cuda_lowering_aliases_params_and_moments_in_place():
   assert call.count("#stablehlo.output_operand_alias<") == 9
 
 
+@pytest.mark.parametrize("platform", ["cuda", "rocm"])
+def test_lowered_for_either_gpu_platform_the_kernel_is_compiled_not_interpreted(platform):
+  # Triton serves CUDA and ROCm (the Pallas kernel's docstring). mutmut: kernels.pallas_gpu.update_leaves 82
+  # (the "rocm" branch misnamed: ROCm got the interpret-mode kernel) survived, no test lowered for ROCm.
+  tx = optax_hybrid.hybrid_adamw(1e-3, weight_decay=0.1, kernel="pallas")
+  params = {"w": jax.ShapeDtypeStruct((100,), jnp.bfloat16)}
+  state = jax.eval_shape(tx.init, params)
+  with kernels.lowering_for(platform):
+    text = jax.jit(tx.step).trace(params, state, params).lower(lowering_platforms=(platform,)).as_text()
+  assert pallas_gpu.gpu_launches(text) == 1
+
+
+@pytest.mark.parametrize("master", [None, "float32"])
+def test_cuda_launches_use_the_kernels_warps_with_and_without_a_float32_master(master):
+  # Triton's num_warps (pallas_gpu.NUM_WARPS, 8, what the kernel was tuned with) reaches every launch, also
+  # where a float32 master is stepped as the param. mutmut: kernels.pallas_gpu.update_leaves 53 (the
+  # master path's num_warps dropped to Triton's default) survived: no test lowered a master for CUDA.
+  tx = optax_hybrid.hybrid_adamw(1e-3, weight_decay=0.1, kernel="pallas", master=master)
+  text = lower_for_cuda(tx, 3)
+  assert pallas_gpu.gpu_launches(text) == 1
+  assert re.findall(r"num_warps = (\d+) : i32", text) == ["8"]
+
+
 @pytest.mark.parametrize("fused", [True, False])
 def test_auto_lowered_for_cuda_is_the_pallas_kernel_even_when_traced_on_a_cpu(fused):
   # The kernel choice follows the lowering platform, not the process's backend.

@@ -191,3 +191,48 @@ def test_abstract_init_describes_host_placement():
   abstract = tx.init(shapes)
   assert {s.sharding.memory_kind for s in jax.tree.leaves(abstract.mu)} == {"pinned_host"}
   chex.assert_trees_all_equal_shapes_and_dtypes(abstract, tx.init(params))
+
+
+def test_row_major_constrains_matrices_whole_on_one_device_and_shard_by_shard_on_a_mesh():
+  # What host compute's operands get (placement.to_host): the row-major layout, for a value sharded over
+  # several devices per shard (the partitioner would otherwise gather it), and nothing for a vector.
+  # Traced over abstract meshes, so one CPU device suffices. mutmut: _compat.row_major 1 (no constraint)
+  # and 16 (a two-device sharding constrained whole) survived.
+  from jax.sharding import AbstractMesh, AxisType, NamedSharding, PartitionSpec
+  from optax_hybrid import _compat
+
+  def primitives(sharding, shape):
+    jaxpr = jax.make_jaxpr(lambda x: _compat.row_major(x, sharding))(jax.ShapeDtypeStruct(shape, jnp.float32))
+    found = []
+    for eqn in jaxpr.eqns:
+      found.append(eqn.primitive.name)
+      found += [f"{eqn.primitive.name}/{e.primitive.name}" for e in getattr(eqn.params.get("jaxpr"), "eqns", ())]
+      if eqn.primitive.name == "layout_constraint":
+        assert eqn.params["layout"].major_to_minor == tuple(range(len(shape)))
+    return found
+
+  mesh = lambda n: AbstractMesh((n,), ("d",), axis_types=(AxisType.Auto,))
+  assert primitives(None, (6, 4)) == ["layout_constraint"]
+  assert primitives(None, (2, 3, 4)) == ["layout_constraint"]
+  assert primitives(None, (6,)) == [] and primitives(NamedSharding(mesh(2), PartitionSpec("d")), (6,)) == []
+  assert primitives(NamedSharding(mesh(1), PartitionSpec("d")), (6, 4)) == ["layout_constraint"]
+  for n in (2, 8):
+    assert primitives(NamedSharding(mesh(n), PartitionSpec("d")), (8, 4)) == ["shard_map", "shard_map/layout_constraint"]
+
+
+@pytest.mark.parametrize("tiers", ["device", "host_state"])
+def test_an_abstract_state_has_its_step_counter_replicated_over_the_params_devices(tiers):
+  # Abstract params (ShapeDtypeStructs with shardings: what a checkpoint is restored into) give an abstract
+  # count placed as a concrete init places it: on the params' devices, in device memory, replicated.
+  # mutmut: placement.step_counter_like 36 (the abstract count's sharding dropped) survived.
+  from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
+  device = jax.devices()[0]
+  mesh = jax.make_mesh((1,), ("d",))
+  tx = optax_hybrid.hybrid_adamw(1e-3, tiers=tiers)
+  for sharding, spec in ((SingleDeviceSharding(device), None), (NamedSharding(mesh, PartitionSpec("d")), PartitionSpec())):
+    count = tx.init({"w": jax.ShapeDtypeStruct((4, 3), jnp.float32, sharding=sharding)}).count
+    assert isinstance(count, jax.ShapeDtypeStruct) and count.shape == () and count.dtype == jnp.int32
+    assert type(count.sharding) is type(sharding) and count.sharding.device_set == {device}
+    assert count.sharding.memory_kind == "device"
+    if spec is not None:
+      assert count.sharding.spec == spec and count.sharding.mesh == mesh

@@ -207,6 +207,31 @@ def test_path_name():
   assert names == ["a/0/kernel", "a/1/bias", "b"]
 
 
+class _KeylessPair:  # a pytree node registered without keys: JAX numbers its children (FlattenedIndexKey)
+
+  def __init__(self, a, b):
+    self.a, self.b = a, b
+
+
+class _NamedPair:  # a pytree node whose own key entries are plain strings
+
+  def __init__(self, x, y):
+    self.x, self.y = x, y
+
+
+jax.tree_util.register_pytree_node(_KeylessPair, lambda p: ((p.a, p.b), None), lambda _, c: _KeylessPair(*c))
+jax.tree_util.register_pytree_with_keys(_NamedPair, lambda n: ((("first", n.x), ("second", n.y)), None),
+                                        lambda _, c: _NamedPair(*c))
+
+
+def test_path_name_of_custom_pytree_nodes_numbers_keyless_children_and_prints_other_keys():
+  # mutmut: paths._key_name's FlattenedIndexKey branch and its fallback `str(key)` (both survived
+  # as `str(None)`: no test had a node without dict, attribute or sequence keys).
+  tree = {"keyless": _KeylessPair(1, 2), "named": _NamedPair(3, 4)}
+  names = [path_name(p) for p, _ in jax.tree_util.tree_leaves_with_path(tree)]
+  assert names == ["keyless/0", "keyless/1", "named/first", "named/second"]
+
+
 def test_accumulation_equals_optax_multisteps_and_lr_advances_per_update():
   grads = [jax.tree.map(lambda g: 5 * g, g) for g in tiny_grads(7)]  # some clipped
   # decay_mask replaces the Flax rule: the bias decays too, as in the reference.
@@ -490,3 +515,14 @@ def test_clipping_equals_optax_for_gradients_in_host_memory(scale):
     np.testing.assert_allclose(np.asarray(got[key], np.float32), np.asarray(expected[key], np.float32), rtol=1e-6)
   jaxpr = jax.make_jaxpr(clipped)(placed)
   assert optax_hybrid.host_arithmetic_outside_host_compute(jaxpr) == []
+
+
+@pytest.mark.parametrize("options,message", [
+    (dict(min_lr=-1.0), "`min_lr` must be >= 0.0, got -1.0."),
+    (dict(min_lr_ratio=-0.5), "`min_lr_ratio` must be in [0.0, 1.0], got -0.5."),
+    (dict(min_lr_ratio=1.5), "`min_lr_ratio` must be in [0.0, 1.0], got 1.5."),
+])
+def test_a_schedule_floor_out_of_range_is_refused_naming_the_argument(options, message):
+  # mutmut: recipe._build_schedule 53 (the argument's name "min_lr" in the check replaced) survived.
+  with pytest.raises(ValueError, match=re.escape(f"standard_optimizer: {message}")):
+    standard_optimizer(1e-3, total_steps=10, **options)

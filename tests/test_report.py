@@ -231,6 +231,12 @@ def test_table():
   assert rows["other state"].split()[-4:] == ["8", "B", "0", "B"]
   # Every row of the table ends in the same column.
   assert len({len(line) for line in rows.values()}) == 1
+  # The rows in order, as docs/memory_report.md shows them ("other state" twice: by tier and by component;
+  # the dict above keeps one, so mutmut's renamed by-tier row, report.MemoryReport.__str__ 31, survived).
+  labels = [line.split("  ")[1].strip() for line in lines[3:] if line.startswith("  ") and line.strip()]
+  assert labels == ["device tier (0 weights)", "host_state tier (1,000 weights)",
+                    "host tier (0 weights)", "other state", "params", "gradients (1 per param)",
+                    "optimizer moments", "master weights", "other state", "total", "bytes per weight"], labels
   assert "Offloading saved 7.8 KiB of device memory (50% of the 15.6 KiB" in text
   assert "Serving takes the params alone: 3.9 KiB, 4.00 bytes per weight." in text
 

@@ -10,6 +10,7 @@ in the memory report.
 """
 
 import inspect
+from typing import Any, NamedTuple
 
 import chex
 import jax
@@ -278,3 +279,49 @@ def test_every_rule_compiles_for_an_h100_as_one_triton_launch_in_place(moment_fo
     assert report.warnings == (), rule
     # Params and the rule's state (codes and scales) are updated in place.
     assert report.device_alias_bytes >= 4 * (256 * 2048 + 2048) + state_bytes, rule
+
+
+@pytest.mark.parametrize("make,name,value", [
+    (optax_hybrid.hybrid_lion, "b1", 1.5), (optax_hybrid.hybrid_lion, "b2", 1.5),
+    (optax_hybrid.hybrid_lion, "weight_decay", -0.1), (optax_hybrid.hybrid_sgd, "momentum", -0.1),
+    (optax_hybrid.hybrid_adagrad, "eps", -1e-8), (optax_hybrid.hybrid_adagrad, "initial_accumulator_value", -0.1),
+])
+def test_a_hyperparameter_out_of_its_range_is_refused_naming_the_function_and_the_argument(make, name, value):
+  # The ranges of the rules' papers and Optax's docstrings: Lion's betas in [0, 1], every other value >= 0.
+  # mutmut: rules.lion Lion.check 6 (b2's bound 1 -> 2) and rules.sgd Sgd.check 2 (the owner None) survived.
+  with pytest.raises(ValueError, match=rf"^{make.__name__}: `{name}` must be "):
+    make(1e-3, **{name: value})
+  make(1e-3, **{name: 1.0 if name.startswith("b") else 0.0})  # the edge is accepted
+
+
+def test_a_rules_state_type_is_checked_when_the_rule_is_defined():
+  # A rule's state: count, skipped, master, plan and, per params-shaped field, <field>_scales (docs/architecture.md).
+  # mutmut: every mutant of rules._params_shaped survived (the built-in rules are defined at import, before a test).
+  from optax_hybrid.rules import STATE_TYPES, UpdateRule
+
+  class GoodState(NamedTuple):
+    count: Any
+    skipped: Any
+    mu: Any
+    mu_scales: Any
+    master: Any
+    plan: Any
+
+  class Good(UpdateRule):
+    state_type = GoodState
+
+  assert STATE_TYPES[GoodState] == ("mu", "mu_scales", "master")
+
+  class NoScales(NamedTuple):
+    count: Any
+    skipped: Any
+    mu: Any
+    master: Any
+    plan: Any
+
+  class NotANamedTuple:
+    pass
+
+  for bad in (NoScales, NotANamedTuple):
+    with pytest.raises(TypeError, match=rf"^{bad.__name__}: a rule's state is a NamedTuple with count, skipped"):
+      type("Bad", (UpdateRule,), {"state_type": bad})
