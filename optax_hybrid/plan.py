@@ -281,7 +281,9 @@ def make_plan(params: Any, rule: Any, options: Options) -> Plan:
         state_kind=kind, dtypes=field_dtypes(p.dtype, rule, storage, key_path, owner),
         master=leaf_master, master_dtype=None if leaf_master is None else leaf_master.stored_dtype(p.dtype),
         param_dtype=np.dtype(p.dtype),
-        decay=decay, state_sharding=state_sharding, gather_to=None if zero1 is None else p.sharding,
+        # One device (a mesh of one): nothing to split, nothing to gather back.
+        decay=decay, state_sharding=state_sharding,
+        gather_to=None if zero1 is None or state_sharding is None else p.sharding,
         quantized=quantize))
   shapes = [np.shape(p) for _, p in with_paths]
   leaves = assign_slices(assign_stages(leaves, shapes, STREAM_STAGE_BYTES), shapes, STREAM_STAGE_BYTES)

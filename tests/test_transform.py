@@ -467,3 +467,17 @@ def test_step_rounds_bf16_params_once():
       mismatch = np.mean(np.asarray(p[k], np.float64) != ref_t[k])
       assert mismatch < 0.02, (k, t, mismatch)
       np.testing.assert_allclose(np.asarray(p[k], np.float64), ref_t[k], rtol=2**-8)
+
+
+def test_shard_state_over_on_a_one_device_mesh_steps_like_optax_adamw():
+  # ZeRO-1 over a mesh of one device has nothing to split: the state stays whole and nothing is gathered
+  # back (it raised an AttributeError at init, found by mutation testing).
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",))
+  on_mesh = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  params = {"w": jax.device_put(jnp.linspace(-1.0, 1.0, 32).reshape(8, 4), on_mesh)}
+  grads = {"w": jax.device_put(jnp.full((8, 4), 0.5), on_mesh)}
+  tx = optax_hybrid.hybrid_adamw(1e-3, shard_state_over="data")
+  new, _ = jax.jit(tx.step)(params, tx.init(params), grads)
+  ref = optax.adamw(1e-3)
+  updates, _ = ref.update(grads, ref.init(params), params)
+  np.testing.assert_allclose(np.asarray(new["w"]), np.asarray(optax.apply_updates(params, updates)["w"]), rtol=1e-6)
