@@ -222,6 +222,11 @@ def _in_moments(path: Any) -> bool:
   return bool(fields) and fields[0] != "master" and not fields[0].endswith("_scales")
 
 
+def _first_names(names: list[str]) -> str:
+  """The first three of ``names`` for a message, with ", ..." where there are more."""
+  return ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
+
+
 def _unnamed_disk_moments(tree: Any) -> list[str]:
   """Empty field entries (``mu``, ``nu``...) outside a rule's state whose plan names their files."""
   return [jax.tree_util.keystr(path) for path, x in jax.tree_util.tree_leaves_with_path(tree, is_leaf=_is_state)
@@ -253,7 +258,7 @@ def save(checkpoint_manager, step: int, tree: Any, *, wait: bool = False) -> boo
   tree = jax.tree.map(_with_file_values, tree, is_leaf=_is_state)
   unnamed = _unnamed_disk_moments(tree)
   if unnamed:
-    raise ValueError(f"checkpoint.save: {', '.join(unnamed[:3])}{', ...' if len(unnamed) > 3 else ''} hold no "
+    raise ValueError(f"checkpoint.save: {_first_names(unnamed)} hold no "
                      f"values: they are {_KEEP_THE_PLAN}")
   tree = jax.tree.map(lambda x: None if _is_empty(x) else x, tree)
   started = checkpoint_manager.save(int(step), args=ocp.args.StandardSave(tree))
@@ -629,16 +634,16 @@ def _restore_step(checkpoint_manager, like: Any, step: int, masters_from: Any) -
   missing = [name for r in states.values() for name in r.missing_masters()]
   if missing and masters_from is None:
     raise ValueError(
-        f"checkpoint.restore: checkpoint step {step} has no master weights for {', '.join(missing[:3])}"
-        f"{', ...' if len(missing) > 3 else ''} (saved without master_dtype, or those leaves kept none), but "
+        f"checkpoint.restore: checkpoint step {step} has no master weights for {_first_names(missing)}"
+        f" (saved without master_dtype, or those leaves kept none), but "
         "`like` keeps them. Pass masters_from=lambda restored: restored['params'] (a function of the restored "
         "tree that returns the params) to build each master from its restored param, as init does; or restore "
         "into a state made without master_dtype.")
   converted = [name for r in states.values() for name in r.converted_masters()]
   if converted and masters_from is None:
     raise ValueError(
-        f"checkpoint.restore: checkpoint step {step} keeps {', '.join(converted[:3])}"
-        f"{', ...' if len(converted) > 3 else ''} in another master format than `like` (a float32 copy and a "
+        f"checkpoint.restore: checkpoint step {step} keeps {_first_names(converted)}"
+        f" in another master format than `like` (a float32 copy and a "
         "Kahan term: master='float32' and master='kahan'). Pass masters_from=lambda restored: "
         "restored['params'] (a function of the restored tree that returns the params) to convert each through "
         "its param's value.")
@@ -648,8 +653,8 @@ def _restore_step(checkpoint_manager, like: Any, step: int, masters_from: Any) -
   dropped = [jax.tree_util.keystr(path) for j, (path, x) in enumerate(entries)
              if j not in states and _is_empty(x) and math.prod(saved.arrays.get(_names(path), ((0,), None))[0])]
   if dropped:
-    raise ValueError(f"checkpoint.restore: the checkpoint holds values for {', '.join(dropped[:3])}"
-                     f"{', ...' if len(dropped) > 3 else ''}, where `like` has empty arrays: {_KEEP_THE_PLAN}")
+    raise ValueError(f"checkpoint.restore: the checkpoint holds values for {_first_names(dropped)}"
+                     f", where `like` has empty arrays: {_KEEP_THE_PLAN}")
   target = treedef.unflatten([states[j].target() if j in states else None if _is_empty(x) else x
                               for j, (_, x) in enumerate(entries)])
   # A `like` that does not fit is the caller's error, never the step's (and
