@@ -193,25 +193,33 @@ def llama_layer(cfg: LlamaConfig, x: jax.Array, p: dict, positions: jax.Array) -
   return x + (jax.nn.silu(h @ p["w_gate"]) * (h @ p["w_up"])) @ p["w_down"]
 
 
+def llama_parts(cfg: LlamaConfig) -> tuple[Callable, Callable, Callable]:
+  """The decoder as ``optax_hybrid.step_in_backward`` takes it: ``embed(rest, batch)``, ``layer(x, p, batch)``,
+  ``head(rest, x, batch)`` (the mean cross-entropy); ``rest`` is the params without ``"layers"``."""
+  embed = lambda rest, batch: rest["embed"][batch["inputs"]]
+  layer = lambda x, p, batch: llama_layer(cfg, x, p, jnp.arange(batch["inputs"].shape[1]))
+  head = lambda rest, x, batch: _cross_entropy(rms_norm(x, rest["final_norm"]) @ rest["head"], batch["targets"])
+  return embed, layer, head
+
+
 def llama_loss(cfg: LlamaConfig, params: dict, batch: dict, stream: Any = False,
                offload_carries: bool = False) -> jax.Array:
   """The mean cross-entropy; the layers run by ``jax.lax.scan`` over a checkpointed layer (``stream=False``),
   the same with each layer moved to the device in the body (``"device_put"``), or by ``scan_layers`` (True)."""
-  positions = jnp.arange(batch["inputs"].shape[1])
-  x = params["embed"][batch["inputs"]]
+  embed, layer, head = llama_parts(cfg)
+  x = embed(params, batch)
   if stream == "device_put":  # the obvious route: each layer moved to the device inside a plain scan
     to_device = lambda p: jax.tree.map(lambda a: jax.device_put(a, jax.memory.Space.Device), p)
-    body = jax.checkpoint(lambda x, p: (llama_layer(cfg, x, to_device(p), positions), None))
+    body = jax.checkpoint(lambda x, p: (layer(x, to_device(p), batch), None))
     x, _ = jax.lax.scan(body, x, params["layers"])
   elif stream:
     import optax_hybrid
-    x = optax_hybrid.scan_layers(lambda x, p: llama_layer(cfg, x, p, positions), x, params["layers"],
+    x = optax_hybrid.scan_layers(lambda x, p: layer(x, p, batch), x, params["layers"],
                                  offload_carries=offload_carries)
   else:
-    body = jax.checkpoint(lambda x, p: (llama_layer(cfg, x, p, positions), None))
+    body = jax.checkpoint(lambda x, p: (layer(x, p, batch), None))
     x, _ = jax.lax.scan(body, x, params["layers"])
-  logits = rms_norm(x, params["final_norm"]) @ params["head"]
-  return _cross_entropy(logits, batch["targets"])
+  return head(params, x, batch)
 
 
 def llama(dtype: Any = jnp.bfloat16, *, stream: Any = False, offload_carries: bool = False,

@@ -23,6 +23,8 @@ Public API:
 * :func:`scan_layers`: ``jax.lax.scan`` over stacked layers that may live in
   host memory: one layer on the device at a time, the gradient written where
   the layers live (:mod:`optax_hybrid.streaming`).
+* :func:`step_in_backward`: a train step whose optimizer steps each streamed
+  layer inside the backward pass, so no gradient of the layers is kept.
 * :func:`host_arithmetic_outside_host_compute`: finds device arithmetic on
   host-resident values in a jaxpr.
 * :mod:`optax_hybrid.checkpoint`: Orbax save/restore that keeps memory kinds.
@@ -52,12 +54,12 @@ from optax_hybrid.placement import (
 from optax_hybrid.recipe import last_learning_rate, standard_optimizer
 from optax_hybrid.report import MemoryReport, memory_report
 from optax_hybrid.schedules import warmup_cosine_schedule
-from optax_hybrid.streaming import scan_layers
+from optax_hybrid.streaming import scan_layers, step_in_backward
 from optax_hybrid.rules.adagrad import HybridAdagradState, hybrid_adagrad
 from optax_hybrid.rules.adamw import HybridAdamState, hybrid_adamw, scale_by_hybrid_adam
 from optax_hybrid.rules.lion import HybridLionState, hybrid_lion
 from optax_hybrid.rules.sgd import HybridSgdState, hybrid_sgd
-from optax_hybrid.transform import HybridAdamW, HybridOptimizer, moment_values
+from optax_hybrid.transform import HybridAdamW, HybridOptimizer, StepInParts, moment_values
 
 __version__ = "0.1.0"
 
@@ -70,6 +72,7 @@ __all__ = [
     "HybridSgdState",
     "MemoryReport",
     "STATE_MEMORY_KINDS",
+    "StepInParts",
     "apply_updates",
     "checkpoint",
     "commit",
@@ -93,5 +96,6 @@ __all__ = [
     "hybrid_sgd",
     "scale_by_hybrid_adam",
     "scan_layers",
+    "step_in_backward",
     "warmup_cosine_schedule",
 ]

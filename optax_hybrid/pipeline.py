@@ -339,51 +339,67 @@ def _run_in_row_slices(plans: Sequence[LeafPlan], leaves: Sequence[LeafIn], plan
                        write_params: bool, fused: bool) -> list[tuple]:
   """A ``host_state`` leaf larger than a stage, ``slice_rows`` rows of its first axis at a time.
 
-  A loop over the slices brings a slice of the state (and what the master
-  keeps) from host memory to the device with the gradient's and the param's
-  rows (from host memory too for layers streamed by ``scan_layers``), runs
-  the kernel on it, and writes the new state back into the host buffers and
-  the first result into its buffer where the param lives, in place, before
-  the next trip: a stacked layer's data crosses the device a slice at a time
-  instead of whole (:attr:`LeafPlan.slice_rows`). A random master
-  format's slice draws the bits the whole leaf would draw at its positions
-  (:func:`optax_hybrid.masters.seed_at`). Returns ``[(first, state, master)]``
-  with the state and master already in host memory.
+  A loop over the slices runs :func:`row_stepper`'s step on each slice of the
+  gradient: a stacked layer's data crosses the device a slice at a time
+  instead of whole (:attr:`LeafPlan.slice_rows`). Returns
+  ``[(first, state, master)]`` with the state and master already in host memory.
   """
   (lp,), (leaf,) = plans, leaves
+  buffers, step_rows = row_stepper(lp, leaf, plan, rule, s, write_params=write_params, fused=fused)
+  rows = lp.slice_rows
+  trip = lambda k, b: step_rows(b, lax.dynamic_slice_in_dim(leaf.grad, k * rows, rows, axis=0), k * rows)
+  return [tuple(lax.fori_loop(0, leaf.grad.shape[0] // rows, trip, buffers))]
+
+
+def row_stepper(lp: LeafPlan, leaf: LeafIn, plan: Plan, rule: Any, s: Any, *, write_params: bool,
+                fused: bool) -> tuple[LeafOut, Any]:
+  """Steps a leaf some rows of its first axis at a time, on the device, writing in place: ``(buffers, step_rows)``.
+
+  ``buffers`` is the leaf's :class:`LeafOut` before any row is stepped: the
+  first result's buffer where the param lives (the param itself when the
+  step writes params, so that its rows not yet stepped are the old ones),
+  the state and what the master keeps, where they live.
+  ``step_rows(buffers, grad_rows, start)`` brings rows ``start, start + n``
+  of the state (and master, and param) to the device with the gradient's
+  ``n`` rows, runs the kernel on them and writes the results back into the
+  buffers with ``dynamic_update_slice`` (in place: no copy of the leaf);
+  ``start`` may be traced. A random master format's rows draw the bits the
+  whole leaf would draw at their positions
+  (:func:`optax_hybrid.masters.seed_at`), so stepping every row once equals
+  the whole leaf's step. For a leaf on one device that runs on the device
+  (``device`` and ``host_state`` tiers).
+  """
   master = lp.master
-  facts = _facts(plans, leaves, write_params)
+  facts = _facts([lp], [leaf], write_params)
   compute = functools.partial(_compute, facts=facts, step=step_of(rule, write_params=write_params, master=master))
   branches = {p: functools.partial(compute, k)
               for p, k in kernels_for(plan.kernel, fused=fused, split=plan.split, rule=rule).items()}
-  shape, rows = leaf.grad.shape, lp.slice_rows
+  shape = leaf.grad.shape
   row_size = int(np.prod(shape[1:])) % 2**32
   param = _param_read(lp, leaf, master, write_params)
-  in_place = write_params and param is not None  # the new param overwrites the param, row by row
+  in_place = write_params and leaf.param is not None  # the new param overwrites the param, row by row
   kept = master is not None and master.keeps
   # The first result's buffer lives where the param does (host memory for layers streamed by scan_layers).
-  first = (param.astype(facts[0].out_dtype) if in_place else
+  first = (leaf.param.astype(facts[0].out_dtype) if in_place else
            _compat.move(lax.empty(shape, facts[0].out_dtype), lp.param_space))
 
-  def trip(k, carry):
-    first, state, kept_master = carry
-    start = k * rows
+  def step_rows(buffers: LeafOut, grad_rows: Any, start: Any) -> LeafOut:
+    first, state, kept_master = buffers
+    rows = grad_rows.shape[0]
     take = lambda a: lax.dynamic_slice_in_dim(a, start, rows, axis=0)
     fetch = lambda x: jax.tree.map(lambda a: _compat.row_major(_compat.move(take(a), DEVICE)), x)
-    read = first if in_place else param
-    seed = None if master is None or kept else masters.seed_at(leaf.master, start.astype(jnp.uint32) *
-                                                                jnp.uint32(row_size))
-    ops = LeafOperands(fetch(leaf.grad), fetch(state), None if read is None else fetch(read),
-                       fetch(kept_master) if kept else seed)
+    read = None if param is None else first if in_place else param
+    seed = None if master is None or kept else masters.seed_at(
+        leaf.master, jnp.asarray(start).astype(jnp.uint32) * jnp.uint32(row_size))
+    ops = LeafOperands(_compat.row_major(_compat.move(grad_rows, DEVICE)), fetch(state),
+                       None if read is None else fetch(read), fetch(kept_master) if kept else seed)
     new_first, new_state, new_master = per_platform(branches, [ops], s)[0]
     put = lambda buf, x: lax.dynamic_update_slice_in_dim(buf, _compat.move(x, _compat.memory_space_of(buf)),
                                                          start, axis=0)
-    return (put(first, new_first), jax.tree.map(put, state, new_state),
-            put(kept_master, new_master) if kept else None)
+    return LeafOut(put(first, new_first), jax.tree.map(put, state, new_state),
+                   put(kept_master, new_master) if kept else None)
 
-  first, state, kept_master = lax.fori_loop(0, shape[0] // rows, trip,
-                                            (first, leaf.state, leaf.master if kept else None))
-  return [(first, state, kept_master)]
+  return LeafOut(first, leaf.state, leaf.master if kept else None), step_rows
 
 
 def _param_read(lp: LeafPlan, leaf: LeafIn, master: Any, write_params: bool) -> Any:

@@ -17,7 +17,8 @@ carries (which can go to host memory too: ``offload_carries``).
 
 from __future__ import annotations
 
-from typing import Any, Callable
+import functools
+from typing import Any, Callable, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -27,7 +28,7 @@ from jax import lax
 from optax_hybrid import _compat
 from optax_hybrid._compat import DEVICE, HOST
 
-__all__ = ["scan_layers"]
+__all__ = ["scan_layers", "step_in_backward"]
 
 
 def scan_layers(layer_fn: Callable[..., Any], carry: Any, layers: Any, xs: Any = None, *,
@@ -156,21 +157,26 @@ def _cotangents(leaves: list, treedef: Any, computed: list, indices: list[int]) 
   return treedef.unflatten(out)
 
 
+def _forward_loop(step: Callable, length: int, carry: Any, layers: Any, xs: Any, consts: Any, saved: Any
+                  ) -> tuple[Any, Any]:
+  """Runs ``step`` over the layers; returns the final carry and ``saved`` with each layer's input carry written."""
+  # The loop carries layer i's device copy and fetches layer i + 1 beside
+  # layer i's arithmetic, so the copy overlaps the compute (the last trip
+  # fetches layer L - 1 again rather than branch).
+  def body(i, loop):
+    c, p, saved = loop
+    following = _slice(layers, jnp.minimum(i + 1, length - 1))
+    if saved is not None:
+      saved = _put(saved, c, i)
+    return step(c, p, _slice(xs, i), consts), following, saved
+  carry, _, saved = lax.fori_loop(0, length, body, (carry, _slice(layers, 0), saved))
+  return carry, saved
+
+
 def _streamed(step: Callable, length: int, offload: bool) -> Callable:
   """The custom-VJP scan of ``step(carry, layer, x, consts)`` over ``length`` layers."""
 
-  def forward_loop(carry, layers, xs, consts, saved):
-    # The loop carries layer i's device copy and fetches layer i + 1 beside
-    # layer i's arithmetic, so the copy overlaps the compute (the last trip
-    # fetches layer L - 1 again rather than branch).
-    def body(i, loop):
-      c, p, saved = loop
-      following = _slice(layers, jnp.minimum(i + 1, length - 1))
-      if saved is not None:
-        saved = _put(saved, c, i)
-      return step(c, p, _slice(xs, i), consts), following, saved
-    carry, _, saved = lax.fori_loop(0, length, body, (carry, _slice(layers, 0), saved))
-    return carry, saved
+  forward_loop = functools.partial(_forward_loop, step, length)
 
   @jax.custom_vjp
   def run(carry, layers, xs, consts):
@@ -205,3 +211,111 @@ def _streamed(step: Callable, length: int, offload: bool) -> Callable:
 
   run.defvjp(run_forward, run_backward)
   return run
+
+
+def step_in_backward(tx: Any, embed_fn: Callable[[Any, Any], Any], layer_fn: Callable[[Any, Any, Any], Any],
+                     head_fn: Callable[[Any, Any, Any], Any], *, layers: str = "layers",
+                     offload_carries: bool = False) -> Callable[[Any, Any, Any], tuple[Any, Any, Any]]:
+  r"""A train step whose optimizer steps each layer inside the backward pass: no gradient of the layers is kept.
+
+  ``params[layers]`` holds layers stacked on axis 0 (as for
+  :func:`scan_layers`, in any memory kind) and the other entries of
+  ``params`` are the rest of the model. The step runs the model as::
+
+    carry = embed_fn(rest, batch)                      # rest: params without `layers`
+    carry = layer_fn(carry, layer_i, batch)            # for each layer i, streamed as scan_layers does
+    loss = head_fn(rest, carry, batch)
+
+  then goes back through the layers from the last: it brings layer
+  :math:`i` in, recomputes it from its saved input carry, takes its
+  gradient and at once steps layer :math:`i`'s rows of every stacked param
+  with ``tx`` (:meth:`optax_hybrid.HybridOptimizer.begin_step`), written in
+  place where the params and state live; the rest of the params are stepped
+  last. Its result equals::
+
+    loss, grads = jax.value_and_grad(loss_fn)(params, batch)   # loss_fn: the model above, by scan_layers
+    params, opt_state = tx.step(params, opt_state, grads)
+
+  (to float rounding of the gradients; bit for bit on a CPU) while never
+  holding the layers' gradient: with the stacked layers in host memory
+  (``pinned_host``) and ``tiers="host_state"``, the host holds the layers and
+  the state, and nothing else that grows with depth.
+
+  Args:
+    tx: an optimizer of this library (``hybrid_adamw`` and the other
+      ``hybrid_*``), whose stacked layers run on the device on one device
+      (tier ``"device"`` or ``"host_state"``) and with ``skip_nonfinite=False``.
+    embed_fn: ``(rest, batch) -> carry``.
+    layer_fn: ``(carry, layer, batch) -> carry``; ``layer`` is one slice of
+      ``params[layers]`` on the device. Values it closes over get no
+      gradient: pass params through ``rest`` and the carry.
+    head_fn: ``(rest, carry, batch) -> loss``, a float scalar.
+    layers: the key of the stacked layers in ``params``.
+    offload_carries: keep the carries saved for the backward pass in host
+      memory (as :func:`scan_layers`).
+
+  Returns:
+    ``train_step(params, opt_state, batch) -> (loss, params, opt_state)``,
+    to be jitted with ``donate_argnums=(0, 1)`` so that the layers and the
+    state are updated in place.
+
+  Raises:
+    TypeError: for a ``tx`` that is not one of this library's optimizers
+      (``optax.chain`` of it included: the step must own the update).
+    ValueError: when the step runs: for ``params`` without ``layers``, for
+      layers in the ``host`` or ``disk`` tier or split over devices, for
+      ``skip_nonfinite=True``.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, optax_hybrid
+    >>> params = {"embed": jnp.ones((4, 8)) * 0.1, "layers": {"w": jnp.stack([jnp.eye(8)] * 3)}, "head": jnp.ones(8)}
+    >>> tx = optax_hybrid.hybrid_adamw(1e-3)
+    >>> train_step = jax.jit(optax_hybrid.step_in_backward(
+    ...     tx, lambda rest, b: rest["embed"][b],
+    ...     lambda x, layer, b: jnp.tanh(x @ layer["w"]),
+    ...     lambda rest, x, b: jnp.mean((x @ rest["head"]) ** 2)), donate_argnums=(0, 1))
+    >>> loss, params, state = train_step(params, tx.init(params), jnp.array([0, 2]))
+    >>> params["layers"]["w"].shape
+    (3, 8, 8)
+  """
+  if not callable(getattr(tx, "begin_step", None)):
+    raise TypeError(f"step_in_backward: `tx` must be one of optax_hybrid's optimizers (hybrid_adamw, ...), which "
+                    f"can step a layer at a time; got {type(tx).__name__}. Put what a chain would add (a "
+                    "schedule, weight decay) in its arguments.")
+
+  def train_step(params, opt_state, batch):
+    if not isinstance(params, Mapping) or layers not in params:
+      raise ValueError(f"step_in_backward: `params` must be a dict holding the stacked layers under "
+                       f"{layers!r} (the `layers=` argument); got {type(params).__name__}"
+                       + (f" with keys {sorted(params)}." if isinstance(params, Mapping) else "."))
+    stack = params[layers]
+    rest = {k: v for k, v in params.items() if k != layers}
+    length = _length(stack, "layers")
+    run_layer = lambda c, p: layer_fn(c, p, batch)
+    carry, embed_vjp = jax.vjp(lambda r: embed_fn(r, batch), rest)
+    carry, saved = _forward_loop(lambda c, p, x, k: run_layer(c, p), length, carry, stack, None, (),
+                                 _saved_buffer(carry, length, offload_carries))
+    loss, head_vjp = jax.vjp(lambda r, c: head_fn(r, c, batch), rest, carry)
+    g_rest, g = head_vjp(jnp.ones_like(loss))
+    by_rows = jax.tree_util.tree_map_with_path(lambda path, _: path[0].key == layers, params)
+    parts = tx.begin_step(params, opt_state, by_rows)
+    stack_def = jax.tree.structure(stack)
+    current = lambda buffers: stack_def.unflatten([b.first for b in buffers])  # rows not yet stepped: old
+
+    def body(t, loop):
+      i = length - 1 - t
+      g, p, buffers = loop
+      preceding = _slice(current(buffers), jnp.maximum(i - 1, 0))  # fetched beside layer i's arithmetic
+      _, vjp = jax.vjp(run_layer, _slice(saved, i), p)
+      g, g_p = vjp(g)
+      buffers = parts.step_rows(buffers, [x[None] for x in jax.tree.leaves(g_p)], i)
+      return g, preceding, buffers
+
+    g, _, buffers = lax.fori_loop(0, length, body, (g, _slice(current(parts.buffers), length - 1), parts.buffers))
+    g_rest = jax.tree.map(jnp.add, g_rest, embed_vjp(g)[0])
+    # The layers' entries are not read (they were stepped in the loop): the params stand in.
+    grads = {**g_rest, layers: stack} if type(params) is dict else type(params)({**g_rest, layers: stack})
+    new_params, new_state = parts.finish(buffers, grads)
+    return loss, new_params, new_state
+
+  return train_step

@@ -11,7 +11,7 @@ fields, their 8-bit scales and the master copy.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -57,6 +57,51 @@ class HybridOptimizer(optax.GradientTransformationExtraArgs):
     """
     return self.update.fused_step(params, state, grads)
 
+  def begin_step(self, params: optax.Params, state: Any, by_rows: Any) -> "StepInParts":
+    r"""A fused step taken in parts: the leaves marked in ``by_rows`` a few rows at a time, then the others.
+
+    For an optimizer inside a backward pass (:func:`optax_hybrid.step_in_backward`):
+    each layer of stacked layers is stepped as soon as its gradient exists,
+    so no gradient of the whole stack is ever kept. The step's scalars (the
+    count's learning rate and bias corrections) are those of ``state``; every
+    row of every marked leaf must be stepped exactly once, then ``finish``
+    steps the other leaves and advances the count. The result equals
+    ``tx.step(params, state, grads)`` (bit for bit with a random master
+    format: each row draws the bits the whole leaf would).
+
+    Args:
+      params: the params, as for :meth:`step` (donated by the caller's jit,
+        a marked leaf is updated in place).
+      state: this optimizer's state.
+      by_rows: a tree of bools shaped like ``params`` or a prefix of it
+        (``{"layers": True, "embed": False, ...}``): the leaves stepped by
+        rows of their first axis. Each must run on the device, on one device:
+        tier ``"device"`` or ``"host_state"``.
+
+    Returns:
+      A :class:`StepInParts`.
+
+    Raises:
+      ValueError: for a marked leaf in the ``host`` or ``disk`` tier, split over
+        devices, or a scalar; for ``skip_nonfinite=True``.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, optax_hybrid
+      >>> tx = optax_hybrid.hybrid_adamw(1e-3)
+      >>> params = {"layers": jnp.ones((3, 4)), "head": jnp.ones(4)}
+      >>> grads = {"layers": jnp.full((3, 4), 0.5), "head": jnp.ones(4)}
+      >>> state = tx.init(params)
+      >>> parts = tx.begin_step(params, state, {"layers": True, "head": False})
+      >>> buffers = parts.buffers
+      >>> for i in reversed(range(3)):  # as a backward pass makes them
+      ...   buffers = parts.step_rows(buffers, [grads["layers"][i:i + 1]], i)
+      >>> new_params, new_state = parts.finish(buffers, grads)
+      >>> expected, _ = tx.step(params, state, grads)
+      >>> bool(jnp.all(new_params["layers"] == expected["layers"]))
+      True
+    """
+    return self.update.begin_step(params, state, by_rows)
+
   def close(self) -> None:
     """Closes the disk tier's file, which frees its space. A no-op without disk leaves.
 
@@ -64,6 +109,29 @@ class HybridOptimizer(optax.GradientTransformationExtraArgs):
     afterwards.
     """
     self.update.close()
+
+
+class StepInParts(NamedTuple):
+  """A step taken in parts (:meth:`HybridOptimizer.begin_step`).
+
+  Attributes:
+    buffers: one :class:`optax_hybrid.pipeline.LeafOut` per leaf stepped by
+      rows, in the params' leaf order: its new param (rows not yet stepped
+      hold the old values: read a layer from here), state and master. A loop
+      carries them.
+    step_rows: ``(buffers, grads, start) -> buffers``: ``grads`` holds one
+      gradient per leaf stepped by rows, ``n`` rows of it (``n`` the same for
+      all); rows ``start`` to ``start + n`` are stepped (``start`` may be
+      traced).
+    finish: ``(buffers, grads) -> (new_params, new_state)``: steps the other
+      leaves with ``grads`` (a tree like the params; at the leaves stepped by
+      rows anything of their shape, such as a ``jax.ShapeDtypeStruct``: not
+      read) and advances the count.
+  """
+
+  buffers: list
+  step_rows: Callable
+  finish: Callable
 
 
 #: The name ``hybrid_adamw``'s result had before every rule shared the engine.
@@ -267,7 +335,7 @@ def _engine(rule: UpdateRule, learning_rate: Any, o: Options) -> HybridOptimizer
   disk_store: list = []  # the DiskStore, made by the first init that places a leaf on disk
   stepped_rules: dict = {}  # plan.static_zeros -> the rule without them, made by init
 
-  def step(grads, state, params, *, write_params):
+  def checked_plan(state):
     if type(state) is not rule.state_type:
       raise TypeError(f"{rule.owner}: `state` must be the {rule.state_type.__name__} made by this optimizer's "
                       f"init, got {type(state).__name__}.")
@@ -275,23 +343,68 @@ def _engine(rule: UpdateRule, learning_rate: Any, o: Options) -> HybridOptimizer
     if not isinstance(plan, Plan):
       raise TypeError(f"{rule.owner}: the state has no placement plan (plan={plan!r}); make the state with "
                       "this optimizer's init.")
-    treedef, leaves = pipeline.gather(grads, state, params, plan, write_params=write_params,
-                                      disk_closed=bool(disk_store) and disk_store[0].closed)
-    on_disk = written = None
-    if plan.on_disk:
-      leaves, on_disk = pipeline.load_disk_state(leaves, plan, after=state.count)
-    step_ok = placement.all_finite([leaf.grad for leaf in leaves]) if o.execution.skip_nonfinite else None
+    return plan
+
+  def gather(grads, state, params, plan, write_params):
+    return pipeline.gather(grads, state, params, plan, write_params=write_params,
+                           disk_closed=bool(disk_store) and disk_store[0].closed)
+
+  def scalars(state, plan, step_ok):
+    """The rule that steps (the hyperparameters that were zero at init left out, made once) and its scalars."""
     lr = learning_rate(state.count) if callable(learning_rate) else learning_rate
-    # The rule with the hyperparameters that were zero at init left out (made once, by init).
     stepped = stepped_rules.get(plan.static_zeros) or stepped_rules.setdefault(
         plan.static_zeros, rule.without(plan.static_zeros))
-    outs = pipeline.run_groups(leaves, plan, stepped, stepped.scalars(state.count, lr, step_ok),
-                               write_params=write_params, fused=write_params)
+    return stepped, stepped.scalars(state.count, lr, step_ok)
+
+  def run(leaves, plan, stepped, s, count, write_params):
+    """load disk state -> each group where it runs -> gather ZeRO-1 updates -> store disk state."""
+    on_disk = written = None
+    if plan.on_disk:
+      leaves, on_disk = pipeline.load_disk_state(leaves, plan, after=count)
+    outs = pipeline.run_groups(leaves, plan, stepped, s, write_params=write_params, fused=write_params)
     if plan.zero1:
       outs = pipeline.gather_zero1(outs, plan)
     if plan.on_disk:
       written = pipeline.store_disk_state(outs, on_disk)
+    return outs, written
+
+  def step(grads, state, params, *, write_params):
+    plan = checked_plan(state)
+    treedef, leaves = gather(grads, state, params, plan, write_params)
+    step_ok = placement.all_finite([leaf.grad for leaf in leaves]) if o.execution.skip_nonfinite else None
+    stepped, s = scalars(state, plan, step_ok)
+    outs, written = run(leaves, plan, stepped, s, state.count, write_params)
     return treedef.unflatten([out.first for out in outs]), _next_state(state, outs, treedef, step_ok, written)
+
+  def begin_step(params, state, by_rows):
+    plan = checked_plan(state)
+    if o.execution.skip_nonfinite:
+      raise ValueError(f"{rule.owner}: skip_nonfinite=True cannot skip a step taken in parts (the optimizer in "
+                       "the backward pass): a layer is stepped before the gradients of the layers under it exist. "
+                       "Build the optimizer with skip_nonfinite=False.")
+    rows = _rows_stepped(by_rows, params, plan)
+    shaped = lambda tree: jax.tree.map(lambda p: jax.ShapeDtypeStruct(np.shape(p), jnp.asarray(p).dtype), tree)
+    treedef, leaves = gather(shaped(params), state, params, plan, True)
+    stepped, s = scalars(state, plan, None)
+    steppers = [pipeline.row_stepper(plan.leaves[i], leaves[i], plan, stepped, s, write_params=True, fused=True)
+                for i in rows]
+
+    def step_rows(buffers, grads, start):
+      return [step_of_rows(b, g, start) for (_, step_of_rows), b, g in zip(steppers, buffers, grads)]
+
+    def finish(buffers, grads):
+      grad_leaves = treedef.flatten_up_to(grads)
+      for i in rows:  # not read: typed like the param so that gather's checks hold
+        grad_leaves[i] = jax.ShapeDtypeStruct(np.shape(grad_leaves[i]), leaves[i].grad.dtype)
+      _, now = gather(treedef.unflatten(grad_leaves), state, params, plan, True)
+      others = [i for i in range(len(leaves)) if i not in rows]
+      sub_plan = dataclasses.replace(plan, leaves=tuple(plan.leaves[i] for i in others))
+      sub_outs, written = run([now[i] for i in others], sub_plan, stepped, s, state.count, True)
+      outs = dict(zip(rows, buffers)) | dict(zip(others, sub_outs))
+      outs = [outs[i] for i in range(len(leaves))]
+      return treedef.unflatten([out.first for out in outs]), _next_state(state, outs, treedef, None, written)
+
+    return StepInParts([b for b, _ in steppers], step_rows, finish)
 
   def update_fn(updates, state, params=None, **extra_args):
     del extra_args
@@ -305,8 +418,32 @@ def _engine(rule: UpdateRule, learning_rate: Any, o: Options) -> HybridOptimizer
       store.close()
 
   update_fn.fused_step = fused_step
+  update_fn.begin_step = begin_step
   update_fn.close = close
   return HybridOptimizer(lambda params: _init(params, rule, o, disk_store, stepped_rules), update_fn)
+
+
+def _rows_stepped(by_rows: Any, params: Any, plan: Plan) -> list[int]:
+  """The indices of the leaves ``by_rows`` marks, each checked: run on the device, on one device, with rows."""
+  owner = plan.owner
+  try:
+    marks = jax.tree.leaves(jax.tree.map(lambda m, sub: jax.tree.map(lambda _: bool(m), sub), by_rows, params))
+  except (ValueError, TypeError) as e:
+    raise ValueError(f"{owner}: `by_rows` must be a tree of bools shaped like the params or a prefix of it "
+                     f"({{'layers': True, ...}}); got {jax.tree.structure(by_rows)} for params "
+                     f"{jax.tree.structure(params)}.") from e
+  rows = [i for i, marked in enumerate(marks) if marked]
+  for i in rows:
+    lp = plan.leaves[i]
+    if lp.runs_on != "device" or lp.on_disk or lp.state_sharding is not None:
+      where = "split over devices" if lp.state_sharding is not None else f"in the {lp.tier!r} tier"
+      raise ValueError(f"{owner}: {lp.path} is stepped a few rows at a time, on the device, in place; it is "
+                       f"{where}. Give the stacked layers tiers='host_state' (state in host memory, stepped "
+                       "on the device) or 'device', on one device.")
+    if not jax.tree.leaves(params)[i].shape:
+      raise ValueError(f"{owner}: {lp.path} is a scalar: only a leaf with rows (stacked layers) is stepped "
+                       "by rows; mark it False in `by_rows`.")
+  return rows
 
 
 def _next_state(state: Any, outs: list, treedef: Any, step_ok: Any, written: Any) -> Any:
@@ -402,4 +539,4 @@ def moment_values(opt_state: Any) -> tuple[Any, ...]:
   return tuple(out)
 
 
-__all__ = ["HybridAdamW", "HybridOptimizer", "building_block", "moment_values", "optimizer", "params_shaped_fields"]
+__all__ = ["HybridAdamW", "HybridOptimizer", "StepInParts", "building_block", "moment_values", "optimizer", "params_shaped_fields"]

@@ -9,7 +9,9 @@ decoder whose layers live in ``pinned_host`` and run by
 ``optax_hybrid.scan_layers``, at a depth, with or without the saved carries
 offloaded, from abstract inputs (``ShapeDtypeStruct`` s placed with a
 ``NamedSharding``) or real arrays; with ``tiers="host"`` or, for two cases,
-``tiers="host_state"`` (the layers stepped on the device a slice at a time).
+``tiers="host_state"`` (the layers stepped on the device a slice at a time),
+for two more the same stepped inside the backward pass
+(``optax_hybrid.step_in_backward``: no gradient buffer).
 A ``step_only`` case compiles the
 optimizer step alone (``tx.step(params, state, grads)``) of the same model's
 params, layers stacked on the device, with ``tiers="host_state"`` and a stage
@@ -61,6 +63,10 @@ def cases() -> list[dict]:
   # The layers in pinned_host stepped on the device a slice at a time (tiers="host_state").
   out += [dict(layers=n, offload=False, inputs="abstract", tier="host_state", step_only=False) for n in (2, 4)]
   out += [dict(layers=n, offload=False, inputs="abstract", tier="host_state", step_only=True) for n in (2, 4)]
+  out = [dict(c, in_backward=False) for c in out]
+  # The same layers stepped inside the backward pass (optax_hybrid.step_in_backward): no gradient buffer.
+  out += [dict(layers=n, offload=False, inputs="abstract", tier="host_state", step_only=False, in_backward=True)
+          for n in (2, 4)]
   return out
 
 
@@ -93,6 +99,10 @@ def run(case: dict) -> dict:
     loss, grads = jax.value_and_grad(model.loss)(p, batch)
     p, s = tx.step(p, s, grads)
     return p, s, loss
+
+  if case["in_backward"]:
+    step = optax_hybrid.step_in_backward(tx, *models.llama_parts(models.LlamaConfig(layers=case["layers"], **SIZES)))
+    train_step = lambda p, s, batch: step(p, s, batch)[::-1]  # (params, state, loss) as above
 
   with lowering_for("cuda"):
     lowered = jax.jit(train_step, donate_argnums=(0, 1)).trace(params, state, model.batch).lower(

@@ -16,6 +16,8 @@ and (at 4 layers) real arrays. What must hold:
 * each loop fetches the next layer in the trip before (the copy's result goes
   to the loop's carry);
 * abstract and real inputs compile the same program;
+* the optimizer in the backward pass (``step_in_backward``) keeps no gradient
+  buffer in host memory and moves no gradient over the bus;
 * the ``host_state`` tier's step on the stacked layers stages at most three
   slices of state on the device (a slice: a layer of one stacked leaf, or a
   stage's budget), whatever the depth, and no state in host temporaries.
@@ -49,7 +51,7 @@ def compiled() -> dict:
     if line.startswith("{") and '"index"' in line:
       record = json.loads(line)
       c = record["case"]
-      results[(c["layers"], c["offload"], c["inputs"], c["tier"], c["step_only"])] = record
+      results[(c["layers"], c["offload"], c["inputs"], c["tier"], c["step_only"], c["in_backward"])] = record
   if len(results) != len(script.cases()):
     raise RuntimeError(f"{SCRIPT} stopped after {len(results)} cases:\n{proc.stderr[-3000:]}")
   for key, record in results.items():
@@ -61,8 +63,8 @@ def compiled() -> dict:
 pytestmark = [pytest.mark.usefixtures("cuda_compiler_plugin"), pytest.mark.xdist_group("tests/test_streaming_compile.py")]
 
 
-def case(layers, offload=False, inputs="abstract", tier="host", step_only=False):
-  return compiled()[(layers, offload, inputs, tier, step_only)]
+def case(layers, offload=False, inputs="abstract", tier="host", step_only=False, in_backward=False):
+  return compiled()[(layers, offload, inputs, tier, step_only, in_backward)]
 
 
 @pytest.mark.parametrize("key", [(c["layers"], c["offload"], c["inputs"]) for c in script.cases()
@@ -145,3 +147,26 @@ def test_streamed_layers_stepped_on_the_device_keep_only_the_gradient_in_host_te
   grown = deep["report"]["device_peak_bytes"] - shallow["report"]["device_peak_bytes"]
   assert grown <= 2 * deep["figures"]["carry_bytes"] * 1.05 + 0.05 * deep["figures"]["layer_bytes"], (
       grown, deep["figures"])
+
+
+def test_the_optimizer_in_the_backward_pass_keeps_no_gradient_and_moves_it_nowhere():
+  # optax_hybrid.step_in_backward: each layer is stepped (host_state: on the device, written back in place) as
+  # soon as its gradient exists, so the gradient buffer that value_and_grad then tx.step keeps is gone.
+  shallow, deep = case(2, tier="host_state", in_backward=True), case(4, tier="host_state", in_backward=True)
+  for record in (shallow, deep):
+    report, layers = record["report"], record["case"]["layers"]
+    assert not report["warnings"], report["warnings"][:2]
+    assert report["host_temp_bytes"] <= SLACK, report["host_temp_bytes"]
+    then_step = case(layers, tier="host_state")["report"]
+    assert then_step["host_temp_bytes"] >= layers * record["figures"]["layer_bytes"]  # what is saved
+  grown = deep["report"]["device_peak_bytes"] - shallow["report"]["device_peak_bytes"]
+  assert grown <= 2 * deep["figures"]["carry_bytes"] * 1.05 + 0.05 * deep["figures"]["layer_bytes"], grown
+  # Per layer (two more layers, counted from the HLO): in, its bf16 params for the forward and the backward and
+  # its state (an fp32 master and fp32 moments: 6x the bf16 params); out, its state and new params. No gradient.
+  layer = deep["figures"]["layer_bytes"]
+  per_layer = lambda records, key: (records[1]["report"][key] - records[0]["report"][key]) // 2
+  assert per_layer((shallow, deep), "to_device_bytes") == (2 + 6) * layer
+  assert per_layer((shallow, deep), "to_host_bytes") == (1 + 6) * layer
+  then_step = (case(2, tier="host_state"), case(4, tier="host_state"))  # the gradient out and back in besides
+  assert per_layer(then_step, "to_device_bytes") == (2 + 6 + 1) * layer
+  assert per_layer(then_step, "to_host_bytes") == (1 + 6 + 1) * layer
