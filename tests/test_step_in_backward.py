@@ -135,24 +135,3 @@ def test_float32_numbers_match_optax_adamw_on_a_plain_lax_scan():
   np.testing.assert_allclose(losses, ref_losses, rtol=1e-6)
   for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(ours), jax.tree.leaves(ref)):
     np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-6, err_msg=jax.tree_util.keystr(path))
-
-
-def test_bad_optimizers_and_params_are_refused_naming_the_fix():
-  params = make_params()
-  with pytest.raises(TypeError, match="step_in_backward: `tx` must be one of optax_hybrid's optimizers"):
-    optax_hybrid.step_in_backward(optax.chain(optax.clip(1.0), optax_hybrid.hybrid_adamw(1e-3)), embed, layer, head)
-  tx = optax_hybrid.hybrid_adamw(1e-3, tiers="host")
-  with pytest.raises(ValueError, match=r"\['layers'\]\['b'\] is stepped a few rows at a time.*'host' tier.*"
-                                       "tiers='host_state'"):
-    jax.jit(optax_hybrid.step_in_backward(tx, embed, layer, head))(params, tx.init(params), batch_of(0))
-  tx = optax_hybrid.hybrid_adamw(1e-3, tiers="host_state", skip_nonfinite=True)
-  with pytest.raises(ValueError, match="skip_nonfinite=True cannot skip a step taken in parts"):
-    jax.jit(optax_hybrid.step_in_backward(tx, embed, layer, head))(params, tx.init(params), batch_of(0))
-  tx = optax_hybrid.hybrid_adamw(1e-3, tiers="host_state")
-  step = optax_hybrid.step_in_backward(tx, embed, layer, head, layers="blocks")
-  with pytest.raises(ValueError, match=r"holding the stacked layers under 'blocks' \(the `layers=` argument\); "
-                                       r"got dict with keys \['embed', 'head', 'layers'\]"):
-    jax.jit(step)(params, tx.init(params), batch_of(0))
-  state = tx.init(params)
-  with pytest.raises(ValueError, match="`by_rows` must be a tree of bools shaped like the params"):
-    tx.begin_step(params, state, {"layers": True})
