@@ -474,8 +474,12 @@ def streaming_table(args) -> list[dict]:
 
 # --- the largest model per setup, bounded by device and host memory -----------------------------------
 
-# The setup whose train step is optax_hybrid.step_in_backward (the others: value_and_grad, then the step).
-IN_BACKWARD = "host_state tier + optimizer in the backward pass, stochastic rounding, 8-bit moments"
+# The setups whose train step is optax_hybrid.step_in_backward (the others: value_and_grad, then the step).
+IN_BACKWARD = {f"host_state tier + optimizer in the backward pass, {what}": master_and_moments
+               for what, master_and_moments in (("stochastic rounding, 8-bit moments", ("stochastic", "8bit")),
+                                                 ("Kahan master, 8-bit moments", ("kahan", "8bit")),
+                                                 ("fp32 master, 8-bit moments", ("float32", "8bit")),
+                                                 ("fp32 master and moments", ("float32", "float32")))}
 # name -> (param dtype, optimizer factory, layers streamed from pinned_host by scan_layers)
 CAPACITY_SETUPS = {
     "optax.adamw fp32": (jnp.float32, lambda: optax.adamw(1e-4, weight_decay=0.1), False),
@@ -501,8 +505,9 @@ CAPACITY_SETUPS = {
     "host_state tier + scan_layers, stochastic rounding, 8-bit moments": (jnp.bfloat16, lambda: (
         optax_hybrid.hybrid_adamw(1e-4, weight_decay=0.1, tiers="host_state", master="stochastic",
                                   moment_format="8bit")), True),
-    IN_BACKWARD: (jnp.bfloat16, lambda: optax_hybrid.hybrid_adamw(
-        1e-4, weight_decay=0.1, tiers="host_state", master="stochastic", moment_format="8bit"), True),
+    **{name: (jnp.bfloat16, lambda master=master, moments=moments: optax_hybrid.hybrid_adamw(
+        1e-4, weight_decay=0.1, tiers="host_state", master=master, moment_format=moments), True)
+       for name, (master, moments) in IN_BACKWARD.items()},
 }
 assert not any(";" in name for name in CAPACITY_SETUPS)  # --capacity-setups splits on semicolons
 HOST_MEMORIES = {"128 GiB": 128 * 2**30, "256 GB": 256e9, "1 TB": 1e12, "2 TB": 2e12}
@@ -518,14 +523,14 @@ def capacity_figures(setup: str, layers: int, target: str) -> dict:
   tx = make_tx()
   state = abstract_state(tx, model.params)
   train_step = train_step_of(tx, model.loss)
-  if setup == IN_BACKWARD:  # the same model, by parts, stepped inside its backward pass
+  if setup in IN_BACKWARD:  # the same model, by parts, stepped inside its backward pass
     cfg = models.LlamaConfig(layers=layers, width=4096, heads=32, ffn=11008, vocab=32000, seq=2048, batch=1)
     step = optax_hybrid.step_in_backward(tx, *models.llama_parts(cfg))
     train_step = lambda params, state, batch: step(params, state, batch)[::-1]
   report = gpu_compile.compile_for_gpu(train_step, model.params, state, model.batch, target=target,
                                        donate_argnums=(0, 1))
   n = model.num_params
-  fields = host_bytes_by_field(model.params, state, streamed and setup != IN_BACKWARD)
+  fields = host_bytes_by_field(model.params, state, streamed and setup not in IN_BACKWARD)
   return dict(setup=setup, layers=layers, params=n, **fields, device=report.device_peak_bytes, host=report.host_peak_bytes,
               host_argument=report.host_argument_bytes, host_temp=report.host_temp_bytes,
               to_device=report.to_device_bytes, to_host=report.to_host_bytes, warnings=len(report.warnings))
