@@ -526,7 +526,9 @@ def capacity_figures(setup: str, layers: int, target: str) -> dict:
   if setup in IN_BACKWARD:  # the same model, by parts, stepped inside its backward pass
     cfg = models.LlamaConfig(layers=layers, width=4096, heads=32, ffn=11008, vocab=32000, seq=2048, batch=1)
     step = optax_hybrid.step_in_backward(tx, *models.llama_parts(cfg))
-    train_step = lambda params, state, batch: step(params, state, batch)[::-1]
+    # Results in the order of the donated arguments (JAX pairs donations with results by shape, in order).
+    train_step = lambda params, state, batch: (lambda loss, params, state: (params, state, loss))(
+        *step(params, state, batch))
   report = gpu_compile.compile_for_gpu(train_step, model.params, state, model.batch, target=target,
                                        donate_argnums=(0, 1))
   n = model.num_params

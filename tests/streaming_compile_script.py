@@ -102,7 +102,8 @@ def run(case: dict) -> dict:
 
   if case["in_backward"]:
     step = optax_hybrid.step_in_backward(tx, *models.llama_parts(models.LlamaConfig(layers=case["layers"], **SIZES)))
-    train_step = lambda p, s, batch: step(p, s, batch)[::-1]  # (params, state, loss) as above
+    # (params, state, loss) as above: JAX pairs donated arguments with results by shape, in order.
+    train_step = lambda p, s, batch: (lambda loss, p, s: (p, s, loss))(*step(p, s, batch))
 
   with lowering_for("cuda"):
     lowered = jax.jit(train_step, donate_argnums=(0, 1)).trace(params, state, model.batch).lower(
