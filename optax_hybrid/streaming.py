@@ -262,9 +262,9 @@ def step_in_backward(tx: Any, embed_fn: Callable[[Any, Any], Any], layer_fn: Cal
   Raises:
     TypeError: for a ``tx`` that is not one of this library's optimizers
       (``optax.chain`` of it included: the step must own the update).
-    ValueError: when the step runs: for ``params`` without ``layers``, for
-      layers in the ``host`` or ``disk`` tier or split over devices, for
-      ``skip_nonfinite=True``.
+    ValueError: when the step runs: for ``params`` without ``layers``, a
+      ``head_fn`` that does not return a float scalar, layers in the ``host``
+      or ``disk`` tier or split over devices, ``skip_nonfinite=True``.
 
   Example:
     >>> import jax, jax.numpy as jnp, optax_hybrid
@@ -296,6 +296,9 @@ def step_in_backward(tx: Any, embed_fn: Callable[[Any, Any], Any], layer_fn: Cal
     carry, saved = _forward_loop(lambda c, p, x, k: run_layer(c, p), length, carry, stack, None, (),
                                  _saved_buffer(carry, length, offload_carries))
     loss, head_vjp = jax.vjp(lambda r, c: head_fn(r, c, batch), rest, carry)
+    if jnp.ndim(loss) or not jnp.issubdtype(jnp.result_type(loss), jnp.floating):
+      raise ValueError(f"step_in_backward: `head_fn` must return the loss, a float scalar; got "
+                       f"{jax.typeof(loss).str_short()}. Reduce it (a mean over the batch) in `head_fn`.")
     g_rest, g = head_vjp(jnp.ones_like(loss))
     by_rows = jax.tree_util.tree_map_with_path(lambda path, _: path[0].key == layers, params)
     parts = tx.begin_step(params, opt_state, by_rows)

@@ -270,9 +270,9 @@ TRIGGERS = {
 STACKED = {"embed": jnp.ones((3, 4)), "layers": {"w": jnp.ones((2, 4, 4)), "gain": jnp.ones(2)}}
 
 
-def step_in_backward(tx, params=STACKED, **kw):
+def step_in_backward(tx, params=STACKED, head=lambda rest, x, b: x.sum(), **kw):
   step = optax_hybrid.step_in_backward(tx, lambda rest, b: rest["embed"][b],
-                                       lambda x, p, b: x @ p["w"] * p["gain"], lambda rest, x, b: x.sum(), **kw)
+                                       lambda x, p, b: x @ p["w"] * p["gain"], head, **kw)
   return jax.jit(step)(params, tx.init(params), jnp.array([0, 1]))
 
 
@@ -280,6 +280,7 @@ TRIGGERS.update({
     "backward-tx": lambda: optax_hybrid.step_in_backward(optax.chain(hybrid()), None, None, None),
     "backward-layers-key": lambda: step_in_backward(hybrid(), {"embed": STACKED["embed"], "blocks": STACKED["layers"]}),
     "backward-tier": lambda: step_in_backward(hybrid(tiers="host")),
+    "backward-loss": lambda: step_in_backward(hybrid(), head=lambda rest, x, b: x.sum(-1)),
     "backward-skip-nonfinite": lambda: step_in_backward(hybrid(skip_nonfinite=True)),
     "begin-step-by-rows": lambda: hybrid().begin_step(STACKED, hybrid().init(STACKED), {"layers": True}),
     "begin-step-scalar": lambda: hybrid().begin_step({"s": jnp.ones(())}, hybrid().init({"s": jnp.ones(())}),

@@ -95,8 +95,9 @@ SETUPS = {
     "float32, layers on the device": dict(dtype=jnp.float32, host=False, options={}),
     "bf16, stochastic master, 8-bit moments, host_state": dict(
         dtype=jnp.bfloat16, options=dict(tiers="host_state", master="stochastic", moment_format="8bit")),
-    "bf16, fp32 master, host_state, a layer per stage": dict(
-        dtype=jnp.bfloat16, options=dict(tiers="host_state", master="float32"), budget=D * D * 12),
+    "bf16, fp32 master, host_state, a layer per stage, carries offloaded": dict(
+        dtype=jnp.bfloat16, options=dict(tiers="host_state", master="float32"), budget=D * D * 12,
+        offload_carries=True),
 }
 
 
@@ -107,7 +108,9 @@ def test_equals_value_and_grad_then_tx_step(name, monkeypatch):
     monkeypatch.setattr(optax_hybrid.plan, "STREAM_STAGE_BYTES", setup["budget"])
   tx = optax_hybrid.hybrid_adamw(optax.linear_schedule(3e-2, 1e-2, 3), weight_decay=0.1, **setup["options"])
   params = lambda: make_params(setup["dtype"], setup.get("host", True))  # donated: one each
-  ours = run(jax.jit(optax_hybrid.step_in_backward(tx, embed, layer, head), donate_argnums=(0, 1)), tx, params())
+  ours = run(jax.jit(optax_hybrid.step_in_backward(tx, embed, layer, head,
+                                                   offload_carries=setup.get("offload_carries", False)),
+                     donate_argnums=(0, 1)), tx, params())
   ref = run(reference_step(tx, loss_by_scan_layers), tx, params())
   assert ours[0] == ref[0]
   assert_equal_trees(ours[1], ref[1], "params")
