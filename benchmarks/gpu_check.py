@@ -29,9 +29,10 @@
    ``offload_fraction`` step against its two halves run alone).
 6. Layers streamed from host memory: the Llama-style decoder of
    ``benchmarks/models.py`` (width 2048, 8 layers, batch 4 x 2048) trained 3
-   steps all on the device (``lax.scan``, device tier) and streamed
-   (``scan_layers`` from ``pinned_host``, host tier): same losses, step time
-   of each, device and host memory; then the deepest streamed model that the
+   steps all on the device (``lax.scan``, device tier), streamed
+   (``scan_layers`` from ``pinned_host``, host tier) and streamed with the
+   layers stepped inside the backward pass (``step_in_backward``,
+   ``host_state`` tier): same losses, step time of each, device and host memory; then the deepest streamed model that the
    machine's host memory holds (about 70% of it), one step.
 
 Exits non-zero if a correctness check failed (after printing every figure).
@@ -462,13 +463,15 @@ def tier_report(n_leaves: int, leaf: int, reps: int) -> None:
 
 # --- 6. layers streamed from host memory --------------------------------------------------
 
-def _llama_run(cfg_kw: dict, streamed: bool, steps: int, reps: int):
+def _llama_run(cfg_kw: dict, streamed: bool, steps: int, reps: int, in_backward: bool = False):
   """Builds the Llama-style decoder (benchmarks/models.py) for real and times its donated train step.
 
   ``streamed``: layers in ``pinned_host``, run by ``scan_layers``, the host
   tier (fp32 master and moments on the host); else everything on the device
-  (``lax.scan``, the device tier). bf16 params. Returns (losses, seconds per
-  step, params, device GiB, host GiB).
+  (``lax.scan``, the device tier). ``in_backward``: the streamed layers
+  stepped inside the backward pass (``optax_hybrid.step_in_backward``, the
+  ``host_state`` tier). bf16 params. Returns (losses, seconds per step,
+  params, device GiB, host GiB).
   """
   import models
   model = models.llama(jnp.bfloat16, stream=streamed, layers_memory_kind="pinned_host" if streamed else "device",
@@ -484,14 +487,23 @@ def _llama_run(cfg_kw: dict, streamed: bool, steps: int, reps: int):
   params = jax.tree.map(real, model.params)
   tokens = jax.random.randint(jax.random.key(1), model.batch["inputs"].shape, 0, cfg_kw["vocab"])
   batch = {"inputs": tokens, "targets": jnp.roll(tokens, -1, axis=1)}
-  tx = optax_hybrid.hybrid_adamw(1e-3, weight_decay=WD, tiers="host" if streamed else "device",
-                                 master_dtype=jnp.float32, moment_format="float32")
-  state = tx.init(params)
+  tier = "host_state" if in_backward else "host" if streamed else "device"
+  tx = optax_hybrid.hybrid_adamw(1e-3, weight_decay=WD, tiers=tier, master_dtype=jnp.float32,
+                                 moment_format="float32")
+  params = optax_hybrid.commit(params)
+  state = optax_hybrid.commit(tx.init(params))
 
   def train_step(p, s, b):
     loss, grads = jax.value_and_grad(model.loss)(p, b)
     p, s = tx.step(p, s, grads)
     return p, s, loss
+
+  if in_backward:
+    in_parts = optax_hybrid.step_in_backward(tx, *models.llama_parts(models.LlamaConfig(**cfg_kw)))
+
+    def train_step(p, s, b):  # results in the donated arguments' order, as above
+      loss, p, s = in_parts(p, s, b)
+      return p, s, loss
 
   step = jax.jit(train_step, donate_argnums=(0, 1))
   mem = step.lower(params, state, batch).compile().memory_analysis()
@@ -527,18 +539,22 @@ def streaming_report(smoke: bool, reps: int) -> None:
   down, up = host_bandwidth(2**12 if smoke else 2**28, reps)
   print(f"device->host {down:.1f} GB/s, host->device {up:.1f} GB/s", flush=True)
   rows = {}
-  for name, streamed in (("all on the device (lax.scan, device tier)", False),
-                         ("streamed (scan_layers from pinned_host, host tier)", True)):
-    rows[name] = _llama_run(dict(layers=layers, **size), streamed, steps=3, reps=reps)
+  for name, streamed, in_backward in (("all on the device (lax.scan, device tier)", False, False),
+                                      ("streamed (scan_layers from pinned_host, host tier)", True, False),
+                                      ("streamed, stepped in the backward pass (host_state)", True, True)):
+    rows[name] = _llama_run(dict(layers=layers, **size), streamed, steps=3, reps=reps, in_backward=in_backward)
   print(f"| {'setup':<52} | {'ms/step':>8} | {'device GiB':>10} | {'host GiB':>8} | losses (3 steps) |")
   print(f"|{'-' * 54}|{'-' * 10}|{'-' * 12}|{'-' * 10}|{'-' * 18}|")
   for name, (losses, seconds, n, dev, host) in rows.items():
     print(f"| {name:<52} | {seconds * 1e3:8.1f} | {dev:10.2f} | {host:8.2f} | "
           f"{', '.join(f'{l:.4f}' for l in losses)} |", flush=True)
-  (l_dev, t_dev, *_), (l_str, t_str, *_) = rows.values()
+  (l_dev, t_dev, *_), (l_str, t_str, *_), (l_back, t_back, *_) = rows.values()
   check("streamed losses == all-on-device losses (3 steps)", excess(l_str, l_dev, 2e-2, 1e-3) <= 1,
         f"{l_str} vs {l_dev}")
-  print(f"streamed / all on the device: {t_str / t_dev:.2f}x the step time", flush=True)
+  check("stepped-in-backward losses == all-on-device losses (3 steps)", excess(l_back, l_dev, 2e-2, 1e-3) <= 1,
+        f"{l_back} vs {l_dev}")
+  print(f"streamed / all on the device: {t_str / t_dev:.2f}x the step time; stepped in the backward pass: "
+        f"{t_back / t_dev:.2f}x", flush=True)
   # The deepest streamed model: host memory bounds it (the layers, their gradient and the host
   # tier's state live there). Probe depths upwards from the small run until a step fails.
   total_host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
