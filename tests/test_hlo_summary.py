@@ -260,6 +260,8 @@ ENTRY %main (a: f32[8], b: f32[8]) -> f32[8] {
   %tr = f32[8]{0} custom-call(%a), custom_call_target="__gpu$xla.gpu.triton"
   %tf = f32[8]{0} fusion(%a), kind=kCustom, calls=%fused_triton, backend_config={"fusion_backend_config":{"kind":"__triton"}}
   %gemm = f32[8]{0} custom-call(%a, %a), custom_call_target="__cublas$gemm"
+  %async_tr = ((f32[8]{0}), f32[8]{0}, u32[]) custom-call-start(%a), custom_call_target="__gpu$xla.gpu.triton"
+  %async_tr_done = f32[8]{0} custom-call-done(%async_tr)
   ROOT %t = (f32[8]{0}, f32[8]{0}, f32[8]{0}) tuple(%on_device, %tr, %gemm)
 }
 """
@@ -269,10 +271,12 @@ def test_count_host_calls_device_calls_and_triton():
   # Host calls: the asynchronous call-start (reads a: 32 bytes across the link; writes its device output:
   # 32 bytes back), the synchronous host call, the Python callback, the custom call on DEVICE_TYPE_HOST.
   # The device call's body runs on the device: sine (32 + 32). Kernels besides: the Triton custom call
-  # (32 + 32), the Triton fusion (32 + 32), cuBLAS (32 + 32 + 32); two Triton launches.
+  # (32 + 32), the Triton fusion (32 + 32), cuBLAS (32 + 32 + 32), and the asynchronous Triton custom call
+  # (a custom-call-start to a device target: its ((operands), result, context) 32 + 32 + 4 and a: 32);
+  # three Triton launches.
   assert gpu_compile.count_hlo(CALLS) == HloSummary(
-      kernels=4, triton_launches=2, transfers=0, host_calls=4, kernel_bytes=64 + 64 + 64 + 96,
-      kernel_ops={"custom-call __cublas$gemm": 1, "custom-call __gpu$xla.gpu.triton": 1, "fusion": 1, "sine": 1},
+      kernels=5, triton_launches=3, transfers=0, host_calls=4, kernel_bytes=64 + 64 + 64 + 96 + 100,
+      kernel_ops={"custom-call __cublas$gemm": 1, "custom-call __gpu$xla.gpu.triton": 2, "fusion": 1, "sine": 1},
       transfer_bytes=64, to_device_bytes=32, to_host_bytes=32)
 
 
@@ -430,6 +434,13 @@ def test_count_loops_multiplies_transfers_by_trips_and_counts_kernels_once():
       transfer_bytes=5 * 32 + 32 + 32, to_device_bytes=5 * 32 + 32, to_host_bytes=32)
 
 
+def test_a_loop_whose_body_is_not_in_the_text_has_nothing_to_report():
+  # Text cut after the entry (its while's body and condition not printed): no loop to describe, no error.
+  entry_only = LOOPS[LOOPS.index("ENTRY"):]
+  assert gpu_compile.loop_transfers(entry_only) == []
+  assert gpu_compile.count_hlo(entry_only) == HloSummary(0, 0, 0, 0, 0, {}, 0, 0, 0)
+
+
 @pytest.mark.parametrize("opcode,shape,operand_shapes,moved", [
     # copy-start: (destination, source, context); the operand's bytes, in the destination's direction.
     ("copy-start", "(f32[4]{0:S(5)}, f32[4]{0}, u32[])", ["f32[4]{0}"], (0, 16)),
@@ -547,6 +558,22 @@ def test_a_failed_install_names_pips_command_and_leaves_only_the_lock(monkeypatc
   assert f" jax-cuda12-plugin=={JAXLIB} jax-cuda12-pjrt=={JAXLIB}):\n" in message
   assert "jax-cuda12-plugin" in message.split(":\n", 1)[1]  # pip's own error, from its stderr
   assert sorted(os.listdir(tmp_path / "optax_hybrid")) == [f"jax-cuda12-{JAXLIB}.lock"]
+
+
+def test_without_the_plugin_compile_for_gpu_names_the_install(monkeypatch, tmp_path):
+  # As in an environment without JAX's CUDA plugin (CI's: the test extra keeps it out of site-packages) and
+  # nothing in the cache yet: the error says where it looked and what to run, before anything is loaded.
+  monkeypatch.setattr(gpu_compile, "_PLUGIN_PACKAGE", "jax_cuda12_plugin_not_installed_here")
+  monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+  directory = tmp_path / "optax_hybrid" / f"jax-cuda12-{JAXLIB}"
+  with pytest.raises(gpu_compile.GpuCompileError) as raised:
+    gpu_compile.compile_for_gpu(jnp.sin, jax.ShapeDtypeStruct((8,), jnp.float32), target="h200", num_devices=1)
+  assert str(raised.value).startswith(f"Compiling for a GPU needs JAX's CUDA plugin, which is neither installed "
+                                      f"nor in {directory}: python -c ")
+  assert f"--target {directory} jax-cuda12-plugin=={JAXLIB} jax-cuda12-pjrt=={JAXLIB})" in str(raised.value)
+  assert not (tmp_path / "optax_hybrid").exists()
+  with pytest.raises(ValueError, match="`target` must be one of"):  # the target is read first
+    gpu_compile.compile_for_gpu(jnp.sin, jax.ShapeDtypeStruct((8,), jnp.float32), target="h300")
 
 
 def test_compile_for_gpu_refuses_bad_device_counts_before_loading_a_compiler():
