@@ -566,8 +566,12 @@ def test_without_the_plugin_compile_for_gpu_names_the_install(monkeypatch, tmp_p
   monkeypatch.setattr(gpu_compile, "_PLUGIN_PACKAGE", "jax_cuda12_plugin_not_installed_here")
   monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
   directory = tmp_path / "optax_hybrid" / f"jax-cuda12-{JAXLIB}"
+  # A target text no compile in this process has used: the topology is cached per text, and an earlier test
+  # of the same worker (a docs example, test_rules.py) may have compiled for "h100" or "h200".
+  target = tmp_path / "fresh.txtpb"
+  target.write_text(gpu_compile.load_target("h200") + "\n# used by this test only\n")
   with pytest.raises(gpu_compile.GpuCompileError) as raised:
-    gpu_compile.compile_for_gpu(jnp.sin, jax.ShapeDtypeStruct((8,), jnp.float32), target="h200", num_devices=1)
+    gpu_compile.compile_for_gpu(jnp.sin, jax.ShapeDtypeStruct((8,), jnp.float32), target=str(target), num_devices=1)
   assert str(raised.value).startswith(f"Compiling for a GPU needs JAX's CUDA plugin, which is neither installed "
                                       f"nor in {directory}: python -c ")
   assert f"--target {directory} jax-cuda12-plugin=={JAXLIB} jax-cuda12-pjrt=={JAXLIB})" in str(raised.value)
