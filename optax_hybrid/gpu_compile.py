@@ -729,7 +729,9 @@ class GpuCompileReport:
 
 def _jitted(fn: Callable, donate_argnums: Sequence[int] | int, jit_kwargs: dict) -> Any:
   if hasattr(fn, "trace") and hasattr(fn, "lower"):
-    if donate_argnums or jit_kwargs:
+    # `donate_argnums=0` donates argument 0: compare with "none given", not with falsiness.
+    donated = (donate_argnums,) if isinstance(donate_argnums, int) else tuple(donate_argnums)
+    if donated or jit_kwargs:
       raise ValueError("`fn` is already jitted: pass `donate_argnums` and jit options to `jax.jit` itself, "
                        "or pass the plain function.")
     return fn

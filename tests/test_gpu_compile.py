@@ -238,34 +238,3 @@ def test_h100_and_h200_compile_the_same_step():
       h100, h200 = r["reports"]["h100"], r["reports"]["h200"]
       assert {k: h100[k] for k in ("device_argument_bytes", "device_temp_bytes", "kernels")} == {
           k: h200[k] for k in ("device_argument_bytes", "device_temp_bytes", "kernels")}
-
-
-# XLA prints a host computation's closing brace as '}, execution_thread="host"'. Here the entry
-# follows it directly (as in a module whose only host computation is printed last before the
-# entry): the entry's copy between two host buffers and its host call must be counted.
-HOST_COMPUTATION_THEN_ENTRY = """\
-HloModule jit_step, is_scheduled=true, input_output_alias={ {0}: (0, {}, may-alias) }
-
-%called_computation (param_0.1: f32[8], param_1.1: f32[8]) -> f32[8] {
-  %param_0.1 = f32[8]{0} parameter(0)
-  %param_1.1 = f32[8]{0} parameter(1)
-  ROOT %add.1 = f32[8]{0} add(%param_0.1, %param_1.1)
-}, execution_thread="host"
-
-ENTRY %main.2 (m.1: f32[8], g.1: f32[8]) -> f32[8] {
-  %m.1 = f32[8]{0:S(5)} parameter(0)
-  %g.1 = f32[8]{0:S(5)} parameter(1)
-  %call-start = ((f32[8]{0:S(5)}, f32[8]{0:S(5)}), f32[8]{0:S(5)}, u32[]) custom-call-start(%m.1, %g.1), \
-async_execution_thread="host", custom_call_target="HostExecute", called_computations={%called_computation}
-  %call-done = f32[8]{0:S(5)} custom-call-done(%call-start)
-  ROOT %copy.1 = f32[8]{0:S(5)} copy(%call-done)
-}
-"""
-
-
-def test_count_hlo_reads_the_entry_after_a_host_computation():
-  from optax_hybrid import gpu_compile
-
-  summary = gpu_compile.count_hlo(HOST_COMPUTATION_THEN_ENTRY)
-  assert summary.host_calls == 1
-  assert summary.kernel_ops == {"copy (host->host)": 1}
