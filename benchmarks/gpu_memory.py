@@ -87,6 +87,9 @@ SETUPS = {
         1e-4, weight_decay=0.1, tiers="host_state", kernel=kernel, **F32)),
     "host": (jnp.bfloat16, lambda kernel="xla": optax_hybrid.hybrid_adamw(1e-4, weight_decay=0.1, tiers="host",
                                                                           kernel=kernel, **F32)),
+    # The host_state tier, its train step optax_hybrid.step_in_backward: each block stepped in the backward pass.
+    "host_state + optimizer in the backward pass": (jnp.bfloat16, lambda kernel="xla": optax_hybrid.hybrid_adamw(
+        1e-4, weight_decay=0.1, tiers="host_state", kernel=kernel, **F32)),
 }
 STEP_SETUPS = {
     "optax.adamw fp32": (jnp.float32, lambda: optax.adamw(1e-4, weight_decay=0.1)),
@@ -173,6 +176,19 @@ def loss_fn(params, x, y, heads: int):
   return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
 
 
+def char_gpt_parts(cfg: Config):
+  """``loss_fn``'s model as ``optax_hybrid.step_in_backward`` takes it (the blocks under ``"blocks"``)."""
+  def embed(rest, batch):
+    x, _ = batch
+    return rest["embed"]["embedding"][x] + rest["pos_embedding"][: x.shape[1]]
+
+  def head(rest, h, batch):
+    logits = (layer_norm(h, rest["ln_f"]) @ rest["embed"]["embedding"].T).astype(jnp.float32)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch[1]).mean()
+
+  return embed, lambda h, p, batch: block(h, p, cfg.heads), head
+
+
 def num_params(tree) -> int:
   return sum(math.prod(x.shape) for x in jax.tree.leaves(tree))
 
@@ -210,6 +226,12 @@ def compile_train_step(setup: str, cfg: Config, target: str) -> dict:
   state = abstract_state(tx, params)
   tokens = jax.ShapeDtypeStruct((cfg.batch, cfg.seq_len), jnp.int32, sharding=params["pos_embedding"].sharding)
   train_step = train_step_of(tx, lambda params, x, y: loss_fn(params, x, y, cfg.heads))
+  if setup.endswith("optimizer in the backward pass"):
+    in_parts = optax_hybrid.step_in_backward(tx, *char_gpt_parts(cfg), layers="blocks")
+
+    def train_step(params, state, x, y):  # results in the donated arguments' order
+      loss, params, state = in_parts(params, state, (x, y))
+      return params, state, loss
   report = gpu_compile.compile_for_gpu(train_step, params, state, tokens, tokens, target=target,
                                        donate_argnums=(0, 1))
   return dict(params=num_params(params), device=report.device_peak_bytes, host=report.host_peak_bytes,
