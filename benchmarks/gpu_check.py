@@ -499,11 +499,8 @@ def _llama_run(cfg_kw: dict, streamed: bool, steps: int, reps: int, in_backward:
     return p, s, loss
 
   if in_backward:
-    in_parts = optax_hybrid.step_in_backward(tx, *models.llama_parts(models.LlamaConfig(**cfg_kw)))
-
-    def train_step(p, s, b):  # results in the donated arguments' order, as above
-      loss, p, s = in_parts(p, s, b)
-      return p, s, loss
+    train_step = models.donation_ordered(
+        optax_hybrid.step_in_backward(tx, *models.llama_parts(models.LlamaConfig(**cfg_kw))))
 
   step = jax.jit(train_step, donate_argnums=(0, 1))
   mem = step.lower(params, state, batch).compile().memory_analysis()

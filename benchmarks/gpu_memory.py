@@ -75,8 +75,12 @@ import optax_hybrid  # noqa: E402
 from optax_hybrid import gpu_compile, plan  # noqa: E402
 
 GB = 1e9
+# The Llama-style decoder of the streaming and capacity tables (benchmarks/models.py), but for its depth.
+LLAMA_SIZES = dict(width=4096, heads=32, ffn=11008, vocab=32000, seq=2048, batch=1)
 F32 = dict(mu_dtype=jnp.float32, nu_dtype=jnp.float32, master_dtype=jnp.float32)
 
+# The setup whose train step is optax_hybrid.step_in_backward (the others: value_and_grad, then the step).
+CHAR_GPT_IN_BACKWARD = "host_state + optimizer in the backward pass"
 # name -> (param dtype, optimizer factory)
 SETUPS = {
     "optax.adamw fp32": (jnp.float32, lambda: optax.adamw(1e-4, weight_decay=0.1)),
@@ -88,7 +92,7 @@ SETUPS = {
     "host": (jnp.bfloat16, lambda kernel="xla": optax_hybrid.hybrid_adamw(1e-4, weight_decay=0.1, tiers="host",
                                                                           kernel=kernel, **F32)),
     # The host_state tier, its train step optax_hybrid.step_in_backward: each block stepped in the backward pass.
-    "host_state + optimizer in the backward pass": (jnp.bfloat16, lambda kernel="xla": optax_hybrid.hybrid_adamw(
+    CHAR_GPT_IN_BACKWARD: (jnp.bfloat16, lambda kernel="xla": optax_hybrid.hybrid_adamw(
         1e-4, weight_decay=0.1, tiers="host_state", kernel=kernel, **F32)),
 }
 STEP_SETUPS = {
@@ -226,12 +230,9 @@ def compile_train_step(setup: str, cfg: Config, target: str) -> dict:
   state = abstract_state(tx, params)
   tokens = jax.ShapeDtypeStruct((cfg.batch, cfg.seq_len), jnp.int32, sharding=params["pos_embedding"].sharding)
   train_step = train_step_of(tx, lambda params, x, y: loss_fn(params, x, y, cfg.heads))
-  if setup.endswith("optimizer in the backward pass"):
-    in_parts = optax_hybrid.step_in_backward(tx, *char_gpt_parts(cfg), layers="blocks")
-
-    def train_step(params, state, x, y):  # results in the donated arguments' order
-      loss, params, state = in_parts(params, state, (x, y))
-      return params, state, loss
+  if setup == CHAR_GPT_IN_BACKWARD:
+    import models
+    train_step = models.donation_ordered(optax_hybrid.step_in_backward(tx, *char_gpt_parts(cfg), layers="blocks"))
   report = gpu_compile.compile_for_gpu(train_step, params, state, tokens, tokens, target=target,
                                        donate_argnums=(0, 1))
   return dict(params=num_params(params), device=report.device_peak_bytes, host=report.host_peak_bytes,
@@ -439,8 +440,7 @@ def streaming_figures(setup: str, layers: int, target: str, moments: str) -> dic
   stream, kind, offload, tier = STREAM_SETUPS[setup]
   kind, _, single = kind.partition("/")
   model = models.llama(jnp.bfloat16, stream=stream, offload_carries=offload, layers_memory_kind=kind,
-                       named=not single, layers=layers, width=4096, heads=32, ffn=11008, vocab=32000, seq=2048,
-                       batch=1)
+                       named=not single, layers=layers, **LLAMA_SIZES)
   tx = optax_hybrid.hybrid_adamw(1e-4, weight_decay=0.1, tiers=tier, master_dtype=jnp.float32, moment_format=moments)
   state = tx.init(model.params)
   train_step = train_step_of(tx, model.loss)
@@ -541,16 +541,13 @@ def capacity_figures(setup: str, layers: int, target: str) -> dict:
   import models
   dtype, make_tx, streamed = CAPACITY_SETUPS[setup]
   model = models.llama(dtype, stream=streamed, layers_memory_kind="pinned_host" if streamed else "device",
-                       layers=layers, width=4096, heads=32, ffn=11008, vocab=32000, seq=2048, batch=1)
+                       layers=layers, **LLAMA_SIZES)
   tx = make_tx()
   state = abstract_state(tx, model.params)
   train_step = train_step_of(tx, model.loss)
   if setup in IN_BACKWARD:  # the same model, by parts, stepped inside its backward pass
-    cfg = models.LlamaConfig(layers=layers, width=4096, heads=32, ffn=11008, vocab=32000, seq=2048, batch=1)
-    step = optax_hybrid.step_in_backward(tx, *models.llama_parts(cfg))
-    # Results in the order of the donated arguments (JAX pairs donations with results by shape, in order).
-    train_step = lambda params, state, batch: (lambda loss, params, state: (params, state, loss))(
-        *step(params, state, batch))
+    parts = models.llama_parts(models.LlamaConfig(layers=layers, **LLAMA_SIZES))
+    train_step = models.donation_ordered(optax_hybrid.step_in_backward(tx, *parts))
   report = gpu_compile.compile_for_gpu(train_step, model.params, state, model.batch, target=target,
                                        donate_argnums=(0, 1))
   n = model.num_params

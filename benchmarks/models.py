@@ -202,6 +202,20 @@ def llama_parts(cfg: LlamaConfig) -> tuple[Callable, Callable, Callable]:
   return embed, layer, head
 
 
+def donation_ordered(step: Callable) -> Callable:
+  """``optax_hybrid.step_in_backward``'s step as ``(params, state, *batch) -> (params, state, loss)``.
+
+  JAX pairs donated arguments with results of the same shape and dtype in
+  order: with the state first among the results, the donated bf16 params
+  would pair with same-shaped state (a Kahan term) and XLA would copy both.
+  One batch argument is passed as it is, several as a tuple.
+  """
+  def train_step(params, state, *batch):
+    loss, params, state = step(params, state, batch[0] if len(batch) == 1 else batch)
+    return params, state, loss
+  return train_step
+
+
 def llama_loss(cfg: LlamaConfig, params: dict, batch: dict, stream: Any = False,
                offload_carries: bool = False) -> jax.Array:
   """The mean cross-entropy; the layers run by ``jax.lax.scan`` over a checkpointed layer (``stream=False``),

@@ -433,6 +433,7 @@ def _rows_stepped(by_rows: Any, params: Any, plan: Plan) -> list[int]:
                      f"({{'layers': True, ...}}); got {jax.tree.structure(by_rows)} for params "
                      f"{jax.tree.structure(params)}.") from e
   rows = [i for i, marked in enumerate(marks) if marked]
+  param_leaves = jax.tree.leaves(params)
   for i in rows:
     lp = plan.leaves[i]
     if lp.runs_on != "device" or lp.on_disk or lp.state_sharding is not None:
@@ -440,7 +441,7 @@ def _rows_stepped(by_rows: Any, params: Any, plan: Plan) -> list[int]:
       raise ValueError(f"{owner}: {lp.path} is stepped a few rows at a time, on the device, in place; it is "
                        f"{where}. Give the stacked layers tiers='host_state' (state in host memory, stepped "
                        "on the device) or 'device', on one device.")
-    if not jax.tree.leaves(params)[i].shape:
+    if not np.shape(param_leaves[i]):
       raise ValueError(f"{owner}: {lp.path} is a scalar: only a leaf with rows (stacked layers) is stepped "
                        "by rows; mark it False in `by_rows`.")
   return rows

@@ -101,9 +101,8 @@ def run(case: dict) -> dict:
     return p, s, loss
 
   if case["in_backward"]:
-    step = optax_hybrid.step_in_backward(tx, *models.llama_parts(models.LlamaConfig(layers=case["layers"], **SIZES)))
-    # (params, state, loss) as above: JAX pairs donated arguments with results by shape, in order.
-    train_step = lambda p, s, batch: (lambda loss, p, s: (p, s, loss))(*step(p, s, batch))
+    train_step = models.donation_ordered(optax_hybrid.step_in_backward(
+        tx, *models.llama_parts(models.LlamaConfig(layers=case["layers"], **SIZES))))
 
   with lowering_for("cuda"):
     lowered = jax.jit(train_step, donate_argnums=(0, 1)).trace(params, state, model.batch).lower(
