@@ -243,8 +243,9 @@ def step_in_backward(tx: Any, embed_fn: Callable[[Any, Any], Any], layer_fn: Cal
 
   Args:
     tx: an optimizer of this library (``hybrid_adamw`` and the other
-      ``hybrid_*``), whose stacked layers run on the device on one device
-      (tier ``"device"`` or ``"host_state"``) and with ``skip_nonfinite=False``.
+      ``hybrid_*``), whose stacked layers run on the device (tier
+      ``"device"`` or ``"host_state"``; on a mesh, split along any axis but
+      the first: each device steps its shard), with ``skip_nonfinite=False``.
     embed_fn: ``(rest, batch) -> carry``.
     layer_fn: ``(carry, layer, batch) -> carry``; ``layer`` is one slice of
       ``params[layers]`` on the device. Values it closes over get no
@@ -264,7 +265,8 @@ def step_in_backward(tx: Any, embed_fn: Callable[[Any, Any], Any], layer_fn: Cal
       (``optax.chain`` of it included: the step must own the update).
     ValueError: when the step runs: for ``params`` without ``layers``, a
       ``head_fn`` that does not return a float scalar, layers in the ``host``
-      or ``disk`` tier or split over devices, ``skip_nonfinite=True``.
+      or ``disk`` tier or with their first axis split over devices,
+      ``skip_nonfinite=True``.
 
   Example:
     >>> import jax, jax.numpy as jnp, optax_hybrid
