@@ -252,8 +252,10 @@ def _topology_devices(target_text: str, num_devices: int) -> tuple:
 
   jax.devices()  # JAX first loads the plugins on its own path
   _put_plugin_on_path()
+  # Whole nodes of 8 GPUs ("1x2x8": two hosts, one process each) past one node.
+  hosts = num_devices // 8 if num_devices > 8 and num_devices % 8 == 0 else 1
   get = functools.partial(topologies.get_topology_desc, platform="cuda", target_config=target_text,
-                          topology=f"1x1x{num_devices}")
+                          topology=f"1x{hosts}x{num_devices // hosts}")
   try:
     try:
       topology = get()

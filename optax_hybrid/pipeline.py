@@ -309,7 +309,8 @@ def _run_group(plans: Sequence[LeafPlan], leaves: Sequence[LeafIn], plan: Plan, 
   for lp, leaf in zip(plans, leaves):
     param = _param_read(lp, leaf, master, write_params)
     if where == "host":  # the param's sharding: its gradient and (if on the device) the param cross with it
-      to = lambda x: jax.tree.map(lambda a: placement.to_host(a, lp.gather_to or lp.state_sharding), x)
+      to = lambda x: jax.tree.map(lambda a: placement.to_host(a, lp.gather_to or lp.state_sharding,
+                                                              one_device=lp.on_one_device), x)
       seed = master is not None and not master.keeps  # a random format's seed: a replicated scalar
       operands.append(LeafOperands(to(leaf.grad), to(leaf.state), to(param),
                                    _compat.move(leaf.master, HOST) if seed else to(leaf.master)))

@@ -276,7 +276,20 @@ def step_in_backward(tx, params=STACKED, head=lambda rest, x, b: x.sum(), **kw):
   return jax.jit(step)(params, tx.init(params), jnp.array([0, 1]))
 
 
+def split_layers_state():
+  """A state whose plan says the stacked layers' first axis is split over devices, as init records it for
+  PartitionSpec("fsdp", ...) on a mesh (this process has one device; tests/test_streaming_fsdp.py has the mesh)."""
+  import dataclasses
+  tx = hybrid()
+  state = tx.init(STACKED)
+  leaves = tuple(dataclasses.replace(lp, row_axes=0) if "layers" in lp.path else lp for lp in state.plan.leaves)
+  return tx, state._replace(plan=dataclasses.replace(state.plan, leaves=leaves))
+
+
 TRIGGERS.update({
+    "backward-split-layers": lambda: (lambda tx, state: tx.begin_step(STACKED, state, {"embed": False,
+                                                                                        "layers": True}))(
+        *split_layers_state()),
     "backward-tx": lambda: optax_hybrid.step_in_backward(optax.chain(hybrid()), None, None, None),
     "backward-layers-key": lambda: step_in_backward(hybrid(), {"embed": STACKED["embed"], "blocks": STACKED["layers"]}),
     "backward-tier": lambda: step_in_backward(hybrid(tiers="host")),
