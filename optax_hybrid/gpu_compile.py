@@ -61,6 +61,7 @@ from optax_hybrid import _compat
 from optax_hybrid.kernels.contract import lowering_for
 
 __all__ = [
+    "BOOKKEEPING_OPS",
     "GpuCompileError",
     "GpuCompileReport",
     "HloInstruction",
@@ -317,11 +318,15 @@ _ARRAY = re.compile(r"\b(" + "|".join(sorted(_DTYPE_BYTES, key=len, reverse=True
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s([a-z][a-z0-9\-]*)\((.*)$")
 _COMPUTATION = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
 
-# Ops that launch nothing: bookkeeping, control flow (its bodies are walked),
-# and the asynchronous transfers and host calls (counted apart).
-_NOT_KERNELS = frozenset({
+BOOKKEEPING_OPS = frozenset({
     "parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all", "add-dependency",
     "opt-barrier", "partition-id", "replica-id", "iota-free", "domain",
+})
+"""Opcodes that launch nothing on the device and move nothing: they only name or regroup buffers."""
+
+# Ops that launch nothing: bookkeeping, control flow (its bodies are walked),
+# and the asynchronous transfers and host calls (counted apart).
+_NOT_KERNELS = BOOKKEEPING_OPS | frozenset({
     "while", "conditional", "call",
     "copy-start", "copy-done", "call-start", "call-done", "async-start", "async-update", "async-done",
     "custom-call-update", "custom-call-done",
@@ -779,6 +784,25 @@ class GpuCompileReport:
   @property
   def host_peak_bytes(self) -> int:
     return self.host_argument_bytes + self.host_output_bytes + self.host_temp_bytes - self.host_alias_bytes
+
+  def step_time(self, hardware: Any = None) -> Any:
+    """The step time estimated from this program's schedule: :func:`optax_hybrid.step_time.estimate`.
+
+    Args:
+      hardware: a :class:`optax_hybrid.step_time.Hardware`, or a target
+        name; None: this report's target when it is one of :data:`TARGETS`.
+
+    Returns:
+      A :class:`optax_hybrid.step_time.StepTime`.
+    """
+    from optax_hybrid import step_time  # it reads the HLO with this module's functions
+
+    if hardware is None:
+      if self.target not in step_time.HARDWARE:
+        raise ValueError(f"No hardware figures for target {self.target!r}: pass `hardware=` "
+                         "(an optax_hybrid.step_time.Hardware).")
+      hardware = self.target
+    return step_time.estimate(self.hlo, hardware)
 
   def as_dict(self) -> dict:
     """The figures as a JSON-friendly dict (no HLO, no log)."""
