@@ -62,7 +62,7 @@ from typing import Any
 from optax_hybrid import gpu_compile
 from optax_hybrid.gpu_compile import HloInstruction, array_bytes, array_dims
 
-__all__ = ["H100_SXM", "H200_SXM", "HARDWARE", "Hardware", "LoopTime", "StepTime", "estimate"]
+__all__ = ["H100_SXM", "H200_SXM", "HARDWARE", "Hardware", "LoopTime", "StepTime", "estimate", "kernel_seconds"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -226,6 +226,30 @@ def estimate(hlo: Any, hardware: Hardware | str = H200_SXM) -> StepTime:
   replay = _Replay(computations, hardware)
   replay.run(entry, {})
   return replay.result()
+
+
+def kernel_seconds(hlo: Any, hardware: Hardware | str = H200_SXM) -> dict[str, float]:
+  """Each kernel's time at its roofline, by instruction name (every computation's fusions, custom calls, copies).
+
+  Args:
+    hlo: HLO module text (scheduled or not), or a ``GpuCompileReport``.
+    hardware: as for :func:`estimate`.
+
+  Returns:
+    ``{instruction name: seconds}`` for the instructions that launch a
+    kernel (transfers between memory spaces and host calls excluded).
+  """
+  hardware = HARDWARE[hardware] if isinstance(hardware, str) else hardware
+  computations, _ = gpu_compile.parse_hlo(getattr(hlo, "hlo", hlo))
+  costs = _Costs(computations, hardware)
+  out = {}
+  for instructions in computations.values():
+    shapes = {i.name: i.shape for i in instructions}
+    for ins in instructions:
+      if (ins.opcode in ("fusion", "custom-call", "copy") and gpu_compile.transfer_of(ins, shapes) is None
+          and not gpu_compile.is_host_call(ins)):
+        out[ins.name] = costs.kernel_seconds(ins, shapes)[0]
+  return out
 
 
 # --- what one kernel costs --------------------------------------------------------

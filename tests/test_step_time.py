@@ -381,3 +381,15 @@ def test_the_h200_figures_are_the_spec_sheets():
   h = step_time.H200_SXM
   assert (h.peak_flops, h.hbm_bandwidth, h.nvlink_bandwidth) == (989e12, 4.8e12, 450e9)
   assert 50e9 <= h.pcie_bandwidth <= 64e9 and step_time.H100_SXM.hbm_bandwidth == 3.35e12
+
+
+def test_kernel_seconds_name_each_kernel_and_leave_out_transfers():
+  seconds = step_time.kernel_seconds(module(f"""
+  %h = {HOST_M} parameter(0)
+  %a = {M} parameter(1)
+  %cs = ({M}, {HOST_M}, u32[]) copy-start(%h)
+  %k = {M} fusion(%a, %a), kind=kCustom, calls=%fused_dot
+  %cd = {M} copy-done(%cs)
+  %sync = {HOST_M} copy(%k)
+  ROOT %t = ({M}, {HOST_M}) tuple(%cd, %sync)""", FUSED_DOT), HW)
+  assert seconds == pytest.approx({"k": DOT})
