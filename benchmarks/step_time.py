@@ -133,23 +133,27 @@ def in_subprocess(args: list[str], xla_flags: str = "") -> dict:
 
 
 LINEAR = ("params", "device_bytes", "host_bytes", "to_device", "to_host", "seconds", "compute", "bus_in", "bus_out",
-          "host", "bus_busy", "bus_hidden", "flops")
+          "host", "collectives", "bus_busy", "bus_hidden", "flops")
 
 
 def at_depth(a: dict, b: dict, layers: int) -> dict:
   """The figures at ``layers``, extrapolated from compiles ``a`` and ``b`` at two depths (linear in depth)."""
   slope = lambda key: (b[key] - a[key]) / (b["layers"] - a["layers"])
   out = dict(a, layers=layers, **{k: a[k] + (layers - a["layers"]) * slope(k) for k in LINEAR})
-  out["lower_bound"] = max(out["compute"], out["bus_in"], out["bus_out"])
+  out["lower_bound"] = max(out["compute"], out["bus_in"], out["bus_out"], out["host"], out["collectives"])
   return out
 
 
 class Runner:
   """Compiles (in subprocesses, each once) and extrapolates."""
 
-  def __init__(self, target: str, depths: tuple[int, int], quick: bool):
-    self.target, self.depths, self.cache = target, depths, {}
+  def __init__(self, target: str, depths: tuple[int, int], quick: bool, cache: str | None = None):
+    self.target, self.depths, self.cache, self.cache_file = target, depths, {}, cache
     self.options = ["--target", target] + (["--quick"] if quick else [])
+    if cache and os.path.exists(cache):  # compiles of an earlier run of the same command
+      for line in open(cache):
+        r = json.loads(line)
+        self.cache[(r["setup"], r["layers"], r["batch"])] = r
 
   def compiled(self, name: str, layers: int, batch: int) -> dict:
     key = (name, layers, batch)
@@ -157,6 +161,9 @@ class Runner:
       self.cache[key] = in_subprocess(["--one", name, "--layers", str(layers), "--batch", str(batch),
                                        *self.options])
       print(f"  {json.dumps(self.cache[key])}", file=sys.stderr, flush=True)
+      if self.cache_file:
+        with open(self.cache_file, "a") as f:
+          f.write(json.dumps(self.cache[key]) + "\n")
     return self.cache[key]
 
   def figures(self, name: str, layers: int, batch: int) -> dict:
@@ -172,14 +179,14 @@ def row(r: dict, streamed: bool) -> str:
   hidden = f"{r['bus_hidden'] / r['bus_busy']:.0%}" if r["bus_busy"] else "-"
   memory = f"{r['device_bytes'] / GB:.0f}" + (f" / {r['host_bytes'] / GB:.0f}" if streamed else "")
   return (f"| {r['setup']} | {r['layers']} | {r['params'] / 1e9:.2f} B | {r['batch']} | {r['seconds']:.3f} | "
-          f"{r['lower_bound']:.3f} | {r['compute']:.3f} | {r['bus_in']:.3f} / {r['bus_out']:.3f} | "
+          f"{r['lower_bound']:.3f} | {r['compute']:.3f} | {r['bus_in']:.3f} / {r['bus_out']:.3f} | {r['host']:.3f} | "
           f"{tokens / r['seconds']:,.0f} | {model_flops / (r['seconds'] * step_time.H200_SXM.peak_flops):.1%} | "
           f"{hidden} | {memory} {'yes' if fits else 'no'} |")
 
 
-HEADER = ("| setup | layers | params | batch x 2048 | step s | lower bound s | compute s | bus in / out s | "
+HEADER = ("| setup | layers | params | batch x 2048 | step s | lower bound s | compute s | bus in / out s | host s | "
           "tokens/s | MFU | bus hidden | device (/ host) GB, fits |\n"
-          "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
+          "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
 
 
 def covering_batch(runner: Runner, name: str, layers: int, batches: list[int]) -> dict | None:
@@ -198,7 +205,7 @@ def covering_batch(runner: Runner, name: str, layers: int, batches: list[int]) -
 
 
 def table(args) -> list[dict]:
-  runner = Runner(args.target, tuple(int(d) for d in args.depths.split(",")), args.quick)
+  runner = Runner(args.target, tuple(int(d) for d in args.depths.split(",")), args.quick, args.cache)
   batches = [int(b) for b in args.batches.split(",")]
   names = args.setups.split(";")
   rows = []
@@ -228,8 +235,8 @@ def table(args) -> list[dict]:
     guess = runner.figures(name, args.check_depth, batches[0])
     print(f"\nExtrapolation check, {name}, {args.check_depth} layers, batch {batches[0]}: estimated step "
           f"{exact['seconds']:.4f} s compiled at that depth, {guess['seconds']:.4f} s extrapolated "
-          f"({guess['seconds'] / exact['seconds'] - 1:+.2%}); device {exact['device'] / GB:.2f} GB vs "
-          f"{guess['device'] / GB:.2f} GB")
+          f"({guess['seconds'] / exact['seconds'] - 1:+.2%}); device {exact['device_bytes'] / GB:.2f} GB vs "
+          f"{guess['device_bytes'] / GB:.2f} GB")
   return rows
 
 
@@ -299,6 +306,7 @@ def main(argv=None):
   parser.add_argument("--seven-b", type=int, default=SEVEN_B, help="the 7B-class model's layers (default 32)")
   parser.add_argument("--check-depth", type=int, default=0, help="compile the last setup at this depth too")
   parser.add_argument("--quick", action="store_true", help="a small model (width 256, sequences of 128): a test")
+  parser.add_argument("--cache", help="a file of compiles (JSON lines): read if it exists, each new compile appended")
   parser.add_argument("--overlap-probe", action="store_true",
                       help="how many copies per trip XLA's schedule hides: several small ones or one packed")
   parser.add_argument("--one", help=argparse.SUPPRESS)
