@@ -498,11 +498,14 @@ def transfer_of(ins: HloInstruction, shapes: dict) -> tuple[int, int] | None:
   if ins.opcode == "copy-start":  # (destination, source, context)
     destination = _top_level(ins.shape)[0]
     return _moved(array_bytes(operands[0] if operands else ""), any(in_host_memory(destination)))
-  if ins.opcode == "fusion-start" and re.search(r"calls=%?wrapped_dynamic-(update-)?slice", ins.rest):
+  wrapped = re.search(r"calls=%?wrapped_dynamic-(update-)?slice", ins.rest) if ins.opcode == "fusion-start" else None
+  if wrapped:
     # An asynchronous slice copy: ((operands...), result, context).
     parts = _top_level(ins.shape)
     result = parts[1] if len(parts) > 2 else ""
-    if "dynamic-update-slice" in ins.rest:  # the update (operand 1) into a buffer in the result's memory
+    # Read from the computation it calls: an operand's name may say "dynamic-update-slice" too (a slice of
+    # a buffer just updated in place).
+    if wrapped.group(1):  # the update (operand 1) into a buffer in the result's memory
       update = operands[1] if len(operands) > 1 else ""
       if any(in_host_memory(update)) != any(in_host_memory(result)):
         return _moved(array_bytes(update), any(in_host_memory(result)))

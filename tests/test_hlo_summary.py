@@ -600,3 +600,13 @@ def test_a_jitted_function_is_compiled_as_it_is_and_takes_no_jit_options():
   lowered = plain.trace(jnp.ones(3), 2.0).lower()
   assert lowered.args_info[0][0].donated
   assert "multiply" in lowered.as_text()
+
+
+def test_a_slice_of_a_buffer_just_updated_in_place_is_a_fetch():
+  # Operand 0 is the done of an asynchronous update (XLA's double-buffered loops slice the buffer the first
+  # iteration wrote): its name says "dynamic-update-slice", the computation called says a slice. 16 B in.
+  shapes = {"dynamic-update-slice-done.49.0": "f32[3,4]{1,0:S(5)}", "i": "s32[]"}
+  ins = gpu_compile.HloInstruction(
+      "dynamic-slice-start.49.0.double_buffer_clone", "((f32[3,4]{1,0:S(5)}, s32[]), f32[1,4]{1,0}, u32[])",
+      "fusion-start", "%dynamic-update-slice-done.49.0, %i), kind=kCustom, calls=%wrapped_dynamic-slice_computation.3")
+  assert gpu_compile.transfer_of(ins, shapes) == (16, 0)
