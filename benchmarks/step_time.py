@@ -1,7 +1,10 @@
 """Throughput of the Llama-style decoder per setup and batch, estimated from the programs XLA:GPU compiles for an H200.
 
     JAX_PLATFORMS=cpu PYTHONPATH=. python benchmarks/step_time.py [--setups A;B] [--batches 1,4,16]
-    JAX_PLATFORMS=cpu PYTHONPATH=. python benchmarks/step_time.py --quick   # a small run (the test)
+        [--check-depth 16] [--cache compiles.jsonl]
+    JAX_PLATFORMS=cpu PYTHONPATH=. python benchmarks/step_time.py --overlap-probe
+    JAX_PLATFORMS=cpu PYTHONPATH=. python benchmarks/step_time.py --one SETUP --layers 4 --batch 4
+    JAX_PLATFORMS=cpu PYTHONPATH=. python benchmarks/step_time.py --quick   # a small model, every setup
 
 Needs JAX's CUDA plugin (docs/gpu_compile.md); no GPU. For each setup
 (:data:`SETUPS`) and batch (sequences of 2048 tokens), the whole train step
@@ -29,6 +32,12 @@ for the streamed setups, 0.9 of 256 GB of host memory, both extrapolated the
 same way. Then, per setup and size, the smallest batch whose arithmetic
 covers the bus (compute >= bus in and >= bus out, compute being linear in the
 batch), compiled and estimated at that batch.
+
+``--overlap-probe``: a loop of 8 trips of 40 matmuls that brings 6 slices in
+per trip, as 6 copies or as one packed copy, fetched in the trip or a trip
+ahead: how much of the bus XLA's schedule hides in each case
+(docs/streaming.md). ``--one``: one compile's figures as a JSON line
+(``XLA_FLAGS`` apply).
 
 Each compile runs in its own subprocess; a failed compile stops the run.
 """
@@ -309,10 +318,10 @@ def main(argv=None):
   parser.add_argument("--cache", help="a file of compiles (JSON lines): read if it exists, each new compile appended")
   parser.add_argument("--overlap-probe", action="store_true",
                       help="how many copies per trip XLA's schedule hides: several small ones or one packed")
-  parser.add_argument("--one", help=argparse.SUPPRESS)
+  parser.add_argument("--one", help="one compile of this setup (with --layers, --batch): a JSON line")
   parser.add_argument("--one-probe", help=argparse.SUPPRESS)
-  parser.add_argument("--layers", type=int, default=4, help=argparse.SUPPRESS)
-  parser.add_argument("--batch", type=int, default=1, help=argparse.SUPPRESS)
+  parser.add_argument("--layers", type=int, default=4, help="--one: layers")
+  parser.add_argument("--batch", type=int, default=1, help="--one: sequences of 2048")
   args = parser.parse_args(argv)
   if args.quick:
     SIZES.update(width=256, heads=2, ffn=688, vocab=1000, seq=128)
