@@ -313,7 +313,9 @@ def step_in_backward(tx: Any, embed_fn: Callable[[Any, Any], Any], layer_fn: Cal
       preceding = _slice(current(buffers), jnp.maximum(i - 1, 0))  # fetched beside layer i's arithmetic
       _, vjp = jax.vjp(run_layer, _slice(saved, i), p)
       g, g_p = vjp(g)
-      buffers = parts.step_rows(buffers, [x[None] for x in jax.tree.leaves(g_p)], i)
+      # The layer's params are on the device already (its VJP read them): the step reads them, not the host.
+      buffers = parts.step_rows(buffers, [x[None] for x in jax.tree.leaves(g_p)], i,
+                                [x[None] for x in jax.tree.leaves(p)])
       return g, preceding, buffers
 
     g, _, buffers = lax.fori_loop(0, length, body, (g, _slice(current(parts.buffers), length - 1), parts.buffers))
