@@ -316,7 +316,8 @@ def field_dtypes(param_dtype: Any, rule: Any, storage: Any, path: Any, owner: st
     argument = field.dtype_argument or "moment_format"
     if complex_param and not field.real and not jnp.issubdtype(dtype, jnp.complexfloating):
       raise ValueError(f"{owner}: `{argument}`={dtype} cannot hold `{field.name}` of the complex param "
-                       f"{jax.tree_util.keystr(path)}; use a complex {argument} or None.")
+                       f"{jax.tree_util.keystr(path) or '<root>'} ({np.dtype(param_dtype)}): stored there it would "
+                       f"lose its imaginary part (Optax casts it so); use a complex {argument} or None.")
     if field.real and jnp.issubdtype(dtype, jnp.complexfloating):
       raise ValueError(f"{owner}: `{argument}`={dtype} must be real: `{field.name}` holds real values "
                        "(sums of |g|^2) even for complex params.")
