@@ -67,6 +67,7 @@ def tmp_file():
   return path
 
 
+HOST_MEMORY = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="pinned_host")
 PARAMS_BF16 = jax.tree.map(lambda x: x.astype(jnp.bfloat16), PARAMS)
 GRADS_BF16 = jax.tree.map(lambda x: x.astype(jnp.bfloat16), GRADS)
 
@@ -282,6 +283,9 @@ TRIGGERS.update({
     "backward-tier": lambda: step_in_backward(hybrid(tiers="host")),
     "backward-loss": lambda: step_in_backward(hybrid(), head=lambda rest, x, b: x.sum(-1)),
     "backward-skip-nonfinite": lambda: step_in_backward(hybrid(skip_nonfinite=True)),
+    "clip-max-norm": lambda: optax_hybrid.clip_by_global_norm(0.0),
+    "optax-clip-host": lambda: jax.jit(optax.clip_by_global_norm(1.0).update)(
+        {"w": jax.device_put(jnp.ones(3), HOST_MEMORY), "b": jnp.ones(2)}, optax.EmptyState()),
     "begin-step-by-rows": lambda: hybrid().begin_step(STACKED, hybrid().init(STACKED), {"layers": True}),
     "begin-step-scalar": lambda: hybrid().begin_step({"s": jnp.ones(())}, hybrid().init({"s": jnp.ones(())}),
                                                      {"s": True}),
