@@ -110,12 +110,13 @@ def check_loss(owner: str, name: str, loss: Any) -> None:
                    f"{describe(loss)}.{hint}")
 
 
-def _takes(signature: inspect.Signature, n: int) -> bool:
-  try:
-    signature.bind(*range(n))
-  except TypeError:
-    return False
-  return True
+def _positional_arity(signature: inspect.Signature) -> tuple[int, float]:
+  """How many positional arguments a function needs at least and takes at most (inf with ``*args``)."""
+  positional = [p for p in signature.parameters.values()
+                if p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+  variadic = any(p.kind == inspect.Parameter.VAR_POSITIONAL for p in signature.parameters.values())
+  required = sum(p.default is inspect.Parameter.empty for p in positional)
+  return required, float("inf") if variadic else len(positional)
 
 
 def layer_fn_of_step(owner: str, layer_fn: Callable, per_layer_inputs: bool) -> tuple[Callable, bool]:
@@ -132,9 +133,9 @@ def layer_fn_of_step(owner: str, layer_fn: Callable, per_layer_inputs: bool) -> 
     signature = inspect.signature(layer_fn)
   except (TypeError, ValueError):  # a callable without a signature (a C function): taken as given
     return layer_fn, False
-  if _takes(signature, 5 if per_layer_inputs else 4):
-    return layer_fn, False
-  if not per_layer_inputs and _takes(signature, 3):
+  least, most = _positional_arity(signature)
+  # Three required arguments: the old spelling (a fourth with a default, `deterministic=False`, is its own).
+  if not per_layer_inputs and least == 3 and most != float("inf"):
     warnings.warn(
         f"{owner}: `layer_fn(carry, layer, batch)` and a train step returning `(loss, params, opt_state)` are "
         "deprecated and will be removed in the next release. Write `layer_fn(carry, layer, rest, batch)` (`rest`: "
@@ -142,6 +143,8 @@ def layer_fn_of_step(owner: str, layer_fn: Callable, per_layer_inputs: bool) -> 
         "their gradients): the train step then returns `(params, opt_state, loss)`, in the order of its "
         "arguments, as Optax's train steps do.", DeprecationWarning, stacklevel=3)
     return (lambda carry, layer, rest, batch: layer_fn(carry, layer, batch)), True
+  if least <= (5 if per_layer_inputs else 4) <= most:
+    return layer_fn, False
   raise TypeError(f"{owner}: `layer_fn` must take {expected}; got a function of {signature}. A body written for "
                   "scan_layers' `(carry, layer)`: `lambda carry, layer, rest, batch: body(carry, layer)`.")
 

@@ -296,3 +296,27 @@ def test_the_old_convention_still_runs_for_one_release_with_a_deprecation_warnin
   expected = jax.jit(optax_hybrid.step_in_backward(tx, embed, lambda x, p, rest, batch: layer(x, p, fixed, batch),
                                                    head))(params, tx.init(params), batch_of(0))
   assert_equal_trees((new_params, new_state, loss), expected, "")
+
+
+def test_which_layer_functions_are_read_as_the_old_convention():
+  import warnings
+  from optax_hybrid import user_fns
+
+  def old_with_a_flag(x, p, batch, deterministic=False):
+    return x
+
+  def read(fn, xs=False):
+    with warnings.catch_warnings(record=True) as caught:
+      warnings.simplefilter("always")
+      _, old = user_fns.layer_fn_of_step("step_in_backward", fn, xs)
+    assert old == any(issubclass(w.category, DeprecationWarning) for w in caught)
+    return old
+
+  assert read(lambda x, p, rest, batch: x) is False
+  assert read(lambda x, p, *inputs: x) is False
+  assert read(lambda x, p, key, rest, batch: x, xs=True) is False
+  assert read(lambda x, p, batch: x) is True
+  assert read(old_with_a_flag) is True
+  for fn, xs in ((lambda x, p: x, False), (lambda x, p, rest, batch: x, True)):
+    with pytest.raises(TypeError, match="`layer_fn` must take"):
+      read(fn, xs)
