@@ -102,7 +102,12 @@ def test_the_selection_covers_every_method_for_each_optimizer():
     assert any(f"opt_name='{name}'" in case_params(m) for m in CASES if m.startswith("test_optimization")), name
 
 
-@pytest.mark.parametrize("method", CASES, ids=[f"{m}{case_params(m)}"[:140] for m in CASES])
+def case_id(method: str) -> str:
+  """The method and its parameters, without the addresses of functions (the same in every xdist worker)."""
+  return (method + re.sub(r"<function (\w+) at 0x[0-9a-f]+>", r"\1", case_params(method)))[:140]
+
+
+@pytest.mark.parametrize("method", CASES, ids=[case_id(m) for m in CASES])
 def test_optax_alias_test_case(method, ours_patched_into_optax):
   result = unittest.TestResult()
   alias_test.AliasTest(method).run(result)
