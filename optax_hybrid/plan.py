@@ -167,6 +167,14 @@ class Plan:
     fields: the rule's fields (:class:`optax_hybrid.rules.Field`): the arrays
       each leaf keeps (``mu`` and ``nu`` for Adam), in the state's order.
     owner: the optimizer's public function, for messages (``"hybrid_adamw"``).
+    static_zeros: the rule's hyperparameters that were a concrete zero at
+      ``init`` and are left out of every step (a zero weight decay, Adam's
+      zero ``eps_root``): :attr:`optax_hybrid.rules.UpdateRule.zero_skippable`.
+      Not compared (nor hashed): ``optax.inject_hyperparams``' ``init`` sees
+      them traced under ``jit`` (so records none) where the plain optimizer's
+      sees Python zeros, and the two states must compare equal (Optax's
+      ``AliasTest``). Steps traced for either compute the same numbers while
+      the injected values stay zero.
     field_names: the names of ``fields`` (derived, as the rest below).
     empty: ``{params-shaped attribute: indices of the leaves that keep an
       empty entry there}`` for every field, its ``_scales`` and ``master``
@@ -181,6 +189,7 @@ class Plan:
   mesh: Any = None
   fields: tuple = ()
   owner: str = "hybrid_adamw"
+  static_zeros: frozenset = frozenset()
 
   field_names: tuple = dataclasses.field(init=False, repr=False)
   empty: dict = dataclasses.field(init=False, repr=False)
@@ -254,7 +263,8 @@ def make_plan(params: Any, rule: Any, options: Options) -> Plan:
                                    offload_fraction=where.offload_fraction,
                                    nvme_offload_fraction=where.nvme_offload_fraction, owner=owner)
   with_paths = jax.tree_util.tree_leaves_with_path(params)
-  decays = ([False] * len(with_paths) if rule.decay is None or "weight_decay" in rule.static_zeros()
+  static_zeros = rule.static_zeros()
+  decays = ([False] * len(with_paths) if rule.decay is None or "weight_decay" in static_zeros
             else mask_leaves(options.mask, params, jax.tree.structure(params), owner))
   master = storage.master_format
   leaves = []
@@ -282,8 +292,8 @@ def make_plan(params: Any, rule: Any, options: Options) -> Plan:
   shapes = [np.shape(p) for _, p in with_paths]
   leaves = assign_slices(assign_stages(leaves, shapes, STREAM_STAGE_BYTES), shapes, STREAM_STAGE_BYTES)
   split, mesh = _split([leaf.state_sharding for leaf in leaves if leaf.runs_on == "device"])
-  return Plan(tuple(leaves), fields=tuple(rule.fields), owner=owner, kernel=options.execution.kernel, split=split,
-              mesh=mesh)
+  return Plan(tuple(leaves), fields=tuple(rule.fields), owner=owner, static_zeros=static_zeros,
+              kernel=options.execution.kernel, split=split, mesh=mesh)
 
 
 def state_bytes(leaf: LeafPlan, shape: Sequence[int]) -> int:

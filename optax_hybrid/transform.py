@@ -297,11 +297,15 @@ def _with_disk_files(plan: Plan, params: list, store: disk.DiskStore, initial: t
       for p, leaf in zip(params, plan.leaves)))
 
 
-def _init(params: Any, rule: UpdateRule, o: Options, disk_store: list) -> Any:
-  """``init``: the plan, then every leaf's state placed where it says."""
+def _init(params: Any, rule: UpdateRule, o: Options, disk_store: list, stepped_rules: dict) -> Any:
+  """``init``: the plan, then every leaf's state placed where it says.
+
+  ``stepped_rules`` gets the rule the plan's steps run (its static zeros left out).
+  """
   if _compat.is_optax_params_placeholder(params):
     return _state_of_placeholder(params, rule, o)
   plan = make_plan(params, rule, o)
+  stepped_rules.setdefault(plan.static_zeros, rule.without(plan.static_zeros))
   param_leaves, treedef = jax.tree.flatten(params)
   initial = rule.initial_values()
   if any(leaf.on_disk for leaf in plan.leaves):
@@ -329,10 +333,7 @@ def _make_state(rule: UpdateRule, **values: Any) -> Any:
 def _engine(rule: UpdateRule, learning_rate: Any, o: Options) -> HybridOptimizer:
   """The transform for a checked ``rule`` and ``o``: ``init`` makes the plan, ``update`` and ``step`` follow it."""
   disk_store: list = []  # the DiskStore, made by the first init that places a leaf on disk
-  # The rule every step runs: its hyperparameters that are a concrete zero left out statically. A property of
-  # the optimizer, not of the state: optax.inject_hyperparams' states then equal the plain optimizer's, and an
-  # injected value (traced under jit) is never frozen at what init saw.
-  stepped = rule.without(rule.static_zeros())
+  stepped_rules: dict = {}  # plan.static_zeros -> the rule without them, made by init
 
   def checked_plan(state):
     if type(state) is not rule.state_type:
@@ -348,9 +349,11 @@ def _engine(rule: UpdateRule, learning_rate: Any, o: Options) -> HybridOptimizer
     return pipeline.gather(grads, state, params, plan, write_params=write_params,
                            disk_closed=bool(disk_store) and disk_store[0].closed)
 
-  def scalars(state, step_ok):
-    """The rule that steps and its scalars."""
+  def scalars(state, plan, step_ok):
+    """The rule that steps (the hyperparameters that were zero at init left out, made once) and its scalars."""
     lr = learning_rate(state.count) if callable(learning_rate) else learning_rate
+    stepped = stepped_rules.get(plan.static_zeros) or stepped_rules.setdefault(
+        plan.static_zeros, rule.without(plan.static_zeros))
     return stepped, stepped.scalars(state.count, lr, step_ok)
 
   def run(leaves, plan, stepped, s, count, write_params):
@@ -369,7 +372,7 @@ def _engine(rule: UpdateRule, learning_rate: Any, o: Options) -> HybridOptimizer
     plan = checked_plan(state)
     treedef, leaves = gather(grads, state, params, plan, write_params)
     step_ok = placement.all_finite([leaf.grad for leaf in leaves]) if o.execution.skip_nonfinite else None
-    stepped, s = scalars(state, step_ok)
+    stepped, s = scalars(state, plan, step_ok)
     outs, written = run(leaves, plan, stepped, s, state.count, write_params)
     return treedef.unflatten([out.first for out in outs]), _next_state(state, outs, treedef, step_ok, written)
 
@@ -382,7 +385,7 @@ def _engine(rule: UpdateRule, learning_rate: Any, o: Options) -> HybridOptimizer
     rows = _rows_stepped(by_rows, params, plan)
     shaped = lambda tree: jax.tree.map(lambda p: jax.ShapeDtypeStruct(np.shape(p), jnp.asarray(p).dtype), tree)
     treedef, leaves = gather(shaped(params), state, params, plan, True)
-    stepped, s = scalars(state, None)
+    stepped, s = scalars(state, plan, None)
     steppers = [pipeline.row_stepper(plan.leaves[i], leaves[i], plan, stepped, s, write_params=True, fused=True)
                 for i in rows]
 
@@ -417,7 +420,7 @@ def _engine(rule: UpdateRule, learning_rate: Any, o: Options) -> HybridOptimizer
   update_fn.fused_step = fused_step
   update_fn.begin_step = begin_step
   update_fn.close = close
-  return HybridOptimizer(lambda params: _init(params, rule, o, disk_store), update_fn)
+  return HybridOptimizer(lambda params: _init(params, rule, o, disk_store, stepped_rules), update_fn)
 
 
 def _rows_stepped(by_rows: Any, params: Any, plan: Plan) -> list[int]:

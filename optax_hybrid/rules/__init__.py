@@ -96,10 +96,9 @@ class UpdateRule:
   * ``decay``: :data:`DECOUPLED`, :data:`L2` or None (no weight decay); a rule
     with decay has a ``weight_decay`` hyperparameter and its scalars a
     ``weight_decay`` field.
-  * ``zero_skippable``: hyperparameters that, when they are a concrete zero
-    (not traced) where the optimizer is built, are left out of every step
-    statically, so that a kernel that lacks them still takes the leaves (a
-    zero weight decay also marks no leaf for decay in the plan).
+  * ``zero_skippable``: hyperparameters that, when they are a concrete zero at
+    ``init``, are left out of every step statically (the plan records it), so
+    that a kernel that lacks them still takes the leaves.
 
   Its scalars (:meth:`scalars`) are a ``NamedTuple`` with at least
   ``learning_rate`` and ``step_ok``. :meth:`update` must read hyperparameters
