@@ -35,16 +35,29 @@ import pytest
 
 import optax_hybrid
 
-# alias_test.py imports scikit-learn for its L-BFGS tests (not run here, and not among our dependencies).
-for _name in ("sklearn", "sklearn.datasets", "sklearn.linear_model"):
-  if _name not in sys.modules:
-    try:
-      __import__(_name)
-    except ImportError:
-      sys.modules[_name] = types.ModuleType(_name)
-
 from optax._src import alias  # noqa: E402
-from optax._src import alias_test  # noqa: E402
+
+
+def _import_alias_test():
+  """optax's alias_test module. It imports scikit-learn for its L-BFGS tests (not run here, and not among our
+  dependencies): empty stand-ins while it is imported, taken out again after (torch's importer, in the same
+  process, reads every module's spec)."""
+  stand_ins = []
+  for name in ("sklearn", "sklearn.datasets", "sklearn.linear_model"):
+    try:
+      __import__(name)
+    except ImportError:
+      sys.modules[name] = types.ModuleType(name)
+      stand_ins.append(name)
+  try:
+    from optax._src import alias_test as module
+  finally:
+    for name in stand_ins:
+      del sys.modules[name]
+  return module
+
+
+alias_test = _import_alias_test()
 
 OURS = {"adamw": optax_hybrid.hybrid_adamw, "lion": optax_hybrid.hybrid_lion,
         "adagrad": optax_hybrid.hybrid_adagrad, "sgd": optax_hybrid.hybrid_sgd}
