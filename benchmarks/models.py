@@ -193,11 +193,16 @@ def llama_layer(cfg: LlamaConfig, x: jax.Array, p: dict, positions: jax.Array) -
   return x + (jax.nn.silu(h @ p["w_gate"]) * (h @ p["w_up"])) @ p["w_down"]
 
 
-def llama_parts(cfg: LlamaConfig) -> tuple[Callable, Callable, Callable]:
+def llama_parts(cfg: LlamaConfig, activations: Any = None) -> tuple[Callable, Callable, Callable]:
   """The decoder as ``optax_hybrid.step_in_backward`` takes it: ``embed(rest, batch)``, ``layer(x, p, rest, batch)``,
-  ``head(rest, x, batch)`` (the mean cross-entropy); ``rest`` is the params without ``"layers"``."""
-  embed = lambda rest, batch: rest["embed"][batch["inputs"]]
-  layer = lambda x, p, rest, batch: llama_layer(cfg, x, p, jnp.arange(batch["inputs"].shape[1]))
+  ``head(rest, x, batch)`` (the mean cross-entropy); ``rest`` is the params without ``"layers"``.
+
+  ``activations``: a sharding the activations between layers are constrained to (FSDP code splits them
+  over the batch, ``NamedSharding(mesh, P("fsdp"))``, as MaxText does); None: XLA chooses.
+  """
+  keep = (lambda x: x) if activations is None else (lambda x: jax.lax.with_sharding_constraint(x, activations))
+  embed = lambda rest, batch: keep(rest["embed"][batch["inputs"]])
+  layer = lambda x, p, rest, batch: keep(llama_layer(cfg, x, p, jnp.arange(batch["inputs"].shape[1])))
   head = lambda rest, x, batch: _cross_entropy(rms_norm(x, rest["final_norm"]) @ rest["head"], batch["targets"])
   return embed, layer, head
 
@@ -217,10 +222,11 @@ def donation_ordered(step: Callable) -> Callable:
 
 
 def llama_loss(cfg: LlamaConfig, params: dict, batch: dict, stream: Any = False,
-               offload_carries: bool = False) -> jax.Array:
+               offload_carries: bool = False, activations: Any = None) -> jax.Array:
   """The mean cross-entropy; the layers run by ``jax.lax.scan`` over a checkpointed layer (``stream=False``),
-  the same with each layer moved to the device in the body (``"device_put"``), or by ``scan_layers`` (True)."""
-  embed, layer, head = llama_parts(cfg)
+  the same with each layer moved to the device in the body (``"device_put"``), or by ``scan_layers`` (True);
+  ``activations`` as for :func:`llama_parts`."""
+  embed, layer, head = llama_parts(cfg, activations)
   x = embed(params, batch)
   if stream == "device_put":  # the obvious route: each layer moved to the device inside a plain scan
     to_device = lambda p: jax.tree.map(lambda a: jax.device_put(a, jax.memory.Space.Device), p)

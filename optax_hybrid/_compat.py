@@ -246,3 +246,10 @@ def xla_device_list(devices: Sequence[Any]) -> Any:
   """An ``xla_client.DeviceList`` of ``devices`` (the executable's devices)."""
   from jax._src.lib import xla_client  # private in JAX 0.10 and 0.11
   return xla_client.DeviceList(tuple(devices))
+
+
+def hlo_sharding(op_sharding: Any) -> Any:
+  """The ``HloSharding`` of an ``OpSharding`` proto (what an executable's ``get_output_shardings`` gives)."""
+  from jax._src.lib import xla_client  # private in JAX 0.10 and 0.11
+  return op_sharding if isinstance(op_sharding, xla_client.HloSharding) else xla_client.HloSharding.from_proto(
+      op_sharding)

@@ -684,6 +684,11 @@ class GpuCompileReport:
       a value in host memory computed on slowly by the host.
     log: everything XLA wrote to stderr during the compile.
     hlo: the optimized HLO text.
+    parameter_shardings, output_shardings: the compiled program's sharding
+      of each (flattened) argument it kept and of each result, as XLA
+      writes them (``"{devices=[1,8,1]<=[8]}"``, ``"{replicated}"``): a
+      result replicated where its argument was split means every GPU holds
+      it whole.
   """
 
   target: str
@@ -708,6 +713,8 @@ class GpuCompileReport:
   transfer_bytes: int = 0
   to_device_bytes: int = 0
   to_host_bytes: int = 0
+  parameter_shardings: tuple[str, ...] = ()
+  output_shardings: tuple[str, ...] = ()
 
   @property
   def device_peak_bytes(self) -> int:
@@ -843,4 +850,11 @@ def compile_lowered(lowered: Any, target: str = "h100", num_devices: int = 1) ->
       host_calls=summary.host_calls, kernel_bytes=summary.kernel_bytes, kernel_ops=summary.kernel_ops,
       transfer_bytes=summary.transfer_bytes, to_device_bytes=summary.to_device_bytes,
       to_host_bytes=summary.to_host_bytes,
+      parameter_shardings=_sharding_texts(executable.get_parameter_shardings()),
+      output_shardings=_sharding_texts(executable.get_output_shardings()),
       warnings=warnings, log=log, hlo=hlo)
+
+
+def _sharding_texts(op_shardings: Any) -> tuple[str, ...]:
+  """XLA's text of each ``OpSharding`` an executable reports (none for a program of one device)."""
+  return tuple(str(_compat.hlo_sharding(op)) for op in op_shardings or ())

@@ -300,13 +300,17 @@ def step_seed(count: jax.Array, salt: int) -> jax.Array:
   return _mix(count * jnp.uint32(_GOLDEN) ^ jnp.uint32(salt)).reshape(1)
 
 
-def positions(like: Any, offset: Any = 0) -> jax.Array:
+def positions(like: Any, offset: Any = 0, shard: tuple | None = None) -> jax.Array:
   """The flat (row-major) index of every element of the block ``like`` (from ``offset`` on), as uint32.
 
   ``like`` is an array (in whose memory space the indices are made: host
   compute needs its values typed as host memory) or a shape. Indices are
   taken modulo ``2**32`` (a stacked leaf may hold more elements than uint32
   counts: each axis's index times its stride, in wrapping uint32 arithmetic).
+  With ``shard`` (``(shard's shape, whole leaf's shape)``: the block is part
+  of one shard of a leaf split over devices, ``offset`` counting in the
+  shard) each index is the element's in the whole leaf relative to the
+  shard's first element, whose own index the caller adds (:func:`seed_at`).
   """
   shape = tuple(like) if isinstance(like, (tuple, list)) else tuple(like.shape)
   strides = [int(np.prod(shape[d + 1:])) % 2**32 for d in range(len(shape))]
@@ -316,7 +320,42 @@ def positions(like: Any, offset: Any = 0) -> jax.Array:
     flat = _compat.move(flat, _compat.memory_space_of(like))
   if isinstance(offset, (int, np.integer)):  # a static offset (a slice of rows) may pass 2**32 as well
     offset = np.uint32(int(offset) % 2**32)
-  return flat + jnp.asarray(offset).astype(jnp.uint32)
+  flat = flat + jnp.asarray(offset).astype(jnp.uint32)
+  return flat if shard is None else _in_whole(flat, *shard)
+
+
+def _in_whole(flat: jax.Array, shard_shape: tuple, whole_shape: tuple) -> jax.Array:
+  """Flat indices in a shard of ``shard_shape`` as the same elements' in a leaf of ``whole_shape``.
+
+  Relative to the shard's first element: each axis's index in the shard
+  times the whole leaf's stride of that axis (a shard of fewer than
+  ``2**32`` elements).
+  """
+  out = jnp.zeros_like(flat)
+  for d, n in enumerate(shard_shape):
+    if n > 1:
+      index = (flat // jnp.uint32(int(np.prod(shard_shape[d + 1:])))) % jnp.uint32(n)
+      out = out + index * jnp.uint32(int(np.prod(whole_shape[d + 1:])) % 2**32)
+  return out
+
+
+def shard_origin(spec: Any, mesh: Any, shard_shape: tuple, whole_shape: tuple) -> jax.Array:
+  """Inside ``shard_map``: the flat index in the whole leaf of this device's shard's first element (uint32).
+
+  ``spec`` is the leaf's ``PartitionSpec`` on ``mesh``; the index of a
+  split axis is the device's position along the mesh axes that split it
+  (major to minor) times the shard's length there.
+  """
+  origin = jnp.zeros([], jnp.uint32)
+  for d, entry in enumerate(tuple(spec)[:len(whole_shape)]):
+    if entry is None:
+      continue
+    position = jnp.zeros([], jnp.uint32)
+    for axis in (entry if isinstance(entry, tuple) else (entry,)):
+      position = position * jnp.uint32(mesh.shape[axis]) + lax.axis_index(axis).astype(jnp.uint32)
+    stride = int(np.prod(whole_shape[d + 1:])) % 2**32
+    origin = origin + position * jnp.uint32(shard_shape[d]) * jnp.uint32(stride)
+  return origin
 
 
 def seed_at(seed: jax.Array, offset: Any) -> jax.Array:
@@ -363,5 +402,5 @@ def stochastic_round(x: jax.Array, dtype: Any, bits: jax.Array) -> jax.Array:
 
 
 __all__ = ["DtypeMaster", "FLOAT32", "FORMATS", "KAHAN", "KahanMaster", "MASTER_NAMES", "MasterFormat", "kept_format",
-           "STOCHASTIC", "StochasticMaster", "positions", "random_bits", "resolve", "salt_of", "step_seed",
+           "STOCHASTIC", "StochasticMaster", "positions", "random_bits", "resolve", "salt_of", "shard_origin", "step_seed",
            "stochastic_round"]

@@ -251,8 +251,8 @@ def run_groups(leaves: list[LeafIn], plan: Plan, rule: Any, s: Any, *, write_par
   for i in list(computed):
     stored(i)
   if not write_params:
-    outs = _master_updates(outs, leaves, plan)
-  return outs
+    return _master_updates(outs, leaves, plan)
+  return _written_over_params(outs, leaves, plan)
 
 
 def _after(group_in: list, previous: list[int], older: list[int], computed: dict, outs: list) -> list:
@@ -319,20 +319,31 @@ def _run_group(plans: Sequence[LeafPlan], leaves: Sequence[LeafIn], plan: Plan, 
       to = lambda x: jax.tree.map(lambda a: jax.device_put(a, DEVICE), x)
       operands.append(LeafOperands(_compat.move(leaf.grad, DEVICE), leaf.state if lp.on_disk else to(leaf.state),
                                    None if param is None else _compat.move(param, DEVICE), to(leaf.master)))
-  compute = functools.partial(_compute, facts=_facts(plans, leaves, write_params),
-                              step=step_of(rule, write_params=write_params, master=master))
+  facts, step = _facts(plans, leaves, write_params), step_of(rule, write_params=write_params, master=master)
   kernels = kernels_for(plan.kernel, fused=fused, runs_on=where, split=plan.split, rule=rule)
   if where == "host":
+    compute = functools.partial(_compute, facts=facts, step=step)
     s = type(s)(*(None if x is None else _compat.move(x, HOST) for x in s))
     branches = {p: _compat.host_compute(functools.partial(compute, k), out_memory_spaces=HOST)
                 for p, k in kernels.items()}
-  elif plan.split == "shard_map" and set(kernels.values()) != {reference.update_leaves}:
-    branches = {p: _per_shard(functools.partial(compute, k), plans, plan.mesh, s, operands)
-                for p, k in kernels.items()}
-    operands = [_constrained(op, lp) for lp, op in zip(plans, operands)]
   else:
-    branches = {p: functools.partial(compute, k) for p, k in kernels.items()}
+    branches, operands = _device_branches(kernels, plans, facts, step, plan, s, operands)
   return [tuple(r) for r in per_platform(branches, operands, s)]
+
+
+def _device_branches(kernels: dict, plans: Sequence[LeafPlan], facts: Sequence[LeafFacts], step: Any, plan: Plan,
+                     s: Any, operands: list) -> tuple[dict, list]:
+  """The device's ``{platform: compute}`` for :func:`per_platform`, and the operands to give it.
+
+  A custom kernel is single-device code: where the plan splits the leaves
+  over a mesh it runs per shard (:func:`_per_shard`), its operands
+  constrained to their state's sharding; the XLA rule is partitioned by XLA.
+  """
+  if plan.split == "shard_map" and set(kernels.values()) != {reference.update_leaves}:
+    return ({p: _per_shard(k, plans, facts, step, plan.mesh, s, operands) for p, k in kernels.items()},
+            [_constrained(op, lp) for lp, op in zip(plans, operands)])
+  compute = functools.partial(_compute, facts=facts, step=step)
+  return {p: functools.partial(compute, k) for p, k in kernels.items()}, operands
 
 
 def _run_in_row_slices(plans: Sequence[LeafPlan], leaves: Sequence[LeafIn], plan: Plan, rule: Any, s: Any, *,
@@ -366,14 +377,13 @@ def row_stepper(lp: LeafPlan, leaf: LeafIn, plan: Plan, rule: Any, s: Any, *, wr
   ``start`` may be traced. A random master format's rows draw the bits the
   whole leaf would draw at their positions
   (:func:`optax_hybrid.masters.seed_at`), so stepping every row once equals
-  the whole leaf's step. For a leaf on one device that runs on the device
-  (``device`` and ``host_state`` tiers).
+  the whole leaf's step. For a leaf that runs on the device (``device`` and
+  ``host_state`` tiers), on one device or split over a mesh along any axis
+  but its first (each device steps its shard of the rows).
   """
   master = lp.master
-  facts = _facts([lp], [leaf], write_params)
-  compute = functools.partial(_compute, facts=facts, step=step_of(rule, write_params=write_params, master=master))
-  branches = {p: functools.partial(compute, k)
-              for p, k in kernels_for(plan.kernel, fused=fused, split=plan.split, rule=rule).items()}
+  facts, step = _facts([lp], [leaf], write_params), step_of(rule, write_params=write_params, master=master)
+  kernels = kernels_for(plan.kernel, fused=fused, split=plan.split, rule=rule)
   shape = leaf.grad.shape
   row_size = int(np.prod(shape[1:])) % 2**32
   param = _param_read(lp, leaf, master, write_params)
@@ -387,13 +397,16 @@ def row_stepper(lp: LeafPlan, leaf: LeafIn, plan: Plan, rule: Any, s: Any, *, wr
     first, state, kept_master = buffers
     rows = grad_rows.shape[0]
     take = lambda a: lax.dynamic_slice_in_dim(a, start, rows, axis=0)
-    fetch = lambda x: jax.tree.map(lambda a: _compat.row_major(_compat.move(take(a), DEVICE)), x)
+    # Constrained shard by shard on a mesh: a layout constraint on a split value would gather it whole.
+    row_major = lambda a: _compat.row_major(a, lp.state_sharding)
+    fetch = lambda x: jax.tree.map(lambda a: row_major(_compat.move(take(a), DEVICE)), x)
     read = None if param is None else first if in_place else param
     seed = None if master is None or kept else masters.seed_at(
         leaf.master, jnp.asarray(start).astype(jnp.uint32) * jnp.uint32(row_size))
-    ops = LeafOperands(_compat.row_major(_compat.move(grad_rows, DEVICE)), fetch(state),
+    ops = LeafOperands(row_major(_compat.move(grad_rows, DEVICE)), fetch(state),
                        None if read is None else fetch(read), fetch(kept_master) if kept else seed)
-    new_first, new_state, new_master = per_platform(branches, [ops], s)[0]
+    branches, operands = _device_branches(kernels, [lp], facts, step, plan, s, [ops])
+    new_first, new_state, new_master = per_platform(branches, operands, s)[0]
     put = lambda buf, x: lax.dynamic_update_slice_in_dim(buf, _compat.move(x, _compat.memory_space_of(buf)),
                                                          start, axis=0)
     return LeafOut(put(first, new_first), jax.tree.map(put, state, new_state),
@@ -413,10 +426,10 @@ def _param_read(lp: LeafPlan, leaf: LeafIn, master: Any, write_params: bool) -> 
 
 
 def _facts(plans: Sequence[LeafPlan], leaves: Sequence[LeafIn], write_params: bool) -> list[LeafFacts]:
-  """What the kernel knows statically of each leaf: its decay, and the first result's dtype."""
+  """What the kernel knows statically of each leaf: its decay, the first result's dtype, its whole leading axes."""
   master = plans[0].master
   return [LeafFacts(lp.decay, jnp.asarray(leaf.param).dtype if (write_params or master is not None) else
-                    jnp.result_type(leaf.grad.dtype, *lp.dtypes)) for lp, leaf in zip(plans, leaves)]
+                    jnp.result_type(leaf.grad.dtype, *lp.dtypes), lp.row_axes) for lp, leaf in zip(plans, leaves)]
 
 
 def _compute(kernel: Any, operands: Sequence[LeafOperands], s: Any, *, facts: Sequence[LeafFacts],
@@ -433,9 +446,28 @@ def _constrained(op: LeafOperands, lp: LeafPlan) -> LeafOperands:
                       constrain(op.master) if kept else op.master)
 
 
-def _per_shard(compute, plans: Sequence[LeafPlan], mesh: Any, s: Any, operands: Sequence[LeafOperands]):
-  """``compute`` under ``shard_map``: every operand of a leaf split like its state, the scalars replicated."""
+def _per_shard(kernel: Any, plans: Sequence[LeafPlan], facts: Sequence[LeafFacts], step: Any, mesh: Any, s: Any,
+               operands: Sequence[LeafOperands]):
+  """``kernel`` under ``shard_map``: every operand of a leaf split like its state, the scalars replicated.
+
+  To the kernel a shard is a whole leaf (every leading axis may be cut into
+  rows) but for a random master format's positions: a split leaf's facts
+  say which shard of what it is, and its seed is moved to the shard's first
+  element (:func:`optax_hybrid.masters.shard_origin`), so each element draws
+  the bits the one-device step draws for it.
+  """
   specs = [lp.state_sharding.spec for lp in plans]
+  shards = [(tuple(lp.state_sharding.shard_shape(op.grad.shape)), tuple(op.grad.shape))
+            for lp, op in zip(plans, operands)]
+  local_facts = [fact._replace(row_axes=None, shard=shard if shard[0] != shard[1] else None)
+                 for fact, shard in zip(facts, shards)]
+
+  def compute(ops, s):
+    ops = [op._replace(master=masters.seed_at(op.master, masters.shard_origin(spec, mesh, *fact.shard)))
+           if lp.master is not None and lp.master.random and fact.shard is not None else op
+           for lp, op, spec, fact in zip(plans, ops, specs, local_facts)]
+    return _compute(kernel, ops, s, facts=local_facts, step=step)
+
   # A master that keeps values is split like the state; a random format's seed is replicated.
   master_spec = lambda lp, sp: None if lp.master is None else sp if lp.master.keeps else jax.sharding.PartitionSpec()
   in_specs = ([LeafOperands(sp, tuple(sp for _ in op.state), None if op.param is None else sp, master_spec(lp, sp))
@@ -464,6 +496,29 @@ def _master_updates(outs: list[LeafOut], leaves: Sequence[LeafIn], plan: Plan) -
   outs = list(outs)
   for i, d in zip(mastered, diffs):
     outs[i] = outs[i]._replace(first=d)
+  return outs
+
+
+def _written_over_params(outs: list[LeafOut], leaves: Sequence[LeafIn], plan: Plan) -> list[LeafOut]:
+  """The new params of leaves whose master stands in for the param, written over the old params' buffers.
+
+  Such a param is not read, and ``jit`` drops an argument nothing reads;
+  donated, its buffer would then be paired with the next result of its
+  shape and dtype (``jit`` pairs donations with results by shape, not by
+  memory kind, without ``out_shardings``): a bf16 moment in host memory, for
+  the new bf16 param on the device, which the runtime refuses. Written over
+  the old param (a whole-array ``dynamic_update_slice``, which XLA turns into
+  the new value itself), the param stays an argument and is paired with its
+  own result.
+  """
+  unread = [i for i, lp in enumerate(plan.leaves)
+            if lp.master is not None and not lp.master.reads_param and leaves[i].param is not None]
+  if not unread:
+    return outs
+  outs = list(outs)
+  for i in unread:
+    param, new = leaves[i].param, outs[i].first
+    outs[i] = outs[i]._replace(first=lax.dynamic_update_slice(param, new.astype(param.dtype), (0,) * param.ndim))
   return outs
 
 

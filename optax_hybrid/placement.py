@@ -23,7 +23,7 @@ from typing import Any, Callable, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import SingleDeviceSharding
+from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from optax_hybrid import _compat
 from optax_hybrid._compat import DEVICE, HOST
@@ -235,8 +235,9 @@ def empty_entry(param: Any, dtype: Any, kind: str, sharding: Any = None) -> Any:
   no bytes, the param's number of dimensions (at least one, so that even a
   scalar's entry is empty), so any partition spec valid for the param is valid
   for it, placed in memory ``kind`` with the param's sharding (or
-  ``sharding``, memory kind included). The step knows from the plan which
-  leaves keep a value and passes these through untouched.
+  ``sharding``, memory kind included); on a mesh of several devices,
+  replicated over it, as a step returns it. The step knows from the plan
+  which leaves keep a value and passes these through untouched.
 
   Args:
     param: the param (array, tracer or ``jax.ShapeDtypeStruct``).
@@ -254,6 +255,13 @@ def empty_entry(param: Any, dtype: Any, kind: str, sharding: Any = None) -> Any:
     (0, 0)
   """
   shape = (0,) * max(np.ndim(param), 1)
+  target = sharding if sharding is not None else getattr(param, "sharding", None)
+  if isinstance(target, NamedSharding) and len(target.device_set) > 1:
+    # XLA folds a zero-element result into a constant, which a step then returns replicated over the mesh
+    # whatever the input's spec: made replicated, the entry has the same sharding before and after a step,
+    # and a jitted step compiles once.
+    return placed_with(None, shape, dtype, NamedSharding(target.mesh, PartitionSpec(), memory_kind=kind),
+                       abstract=isinstance(param, jax.ShapeDtypeStruct))
   if sharding is not None:
     return placed_with(None, shape, dtype, sharding, abstract=isinstance(param, jax.ShapeDtypeStruct))
   return zeros_placed(param, dtype, kind, shape=shape)

@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from optax_hybrid import placement, tiers as tiers_lib
+from optax_hybrid import _compat, placement, tiers as tiers_lib
 from optax_hybrid.kernels import quantized
 from optax_hybrid.options import Options
 
@@ -93,6 +93,13 @@ class LeafPlan:
       time: the step brings that slice of its state to the device, updates
       it and writes it back before the next (:func:`assign_slices`); 0: the
       leaf crosses whole.
+    row_axes: how many leading axes of the leaf every device holds whole
+      (:func:`optax_hybrid.tiers.whole_leading_axes` of ``state_sharding``):
+      a kernel that cuts the leaf into slices of rows cuts only along those,
+      so that a leaf split over devices stays split
+      (:attr:`optax_hybrid.kernels.LeafFacts.row_axes`). None: one device,
+      every axis; 0 where the placement is unknown on several devices
+      (params ``init`` saw traced).
     files: the disk tier's files, made by ``init``: ``(field, disk.DiskMoment)``
       pairs, ``(("mu", ...), ("nu", ...))`` for Adam (with 8-bit storage the codes there
       and the scales under ``"mu_scales"`` and ``"nu_scales"``); the state's fields hold an
@@ -123,6 +130,7 @@ class LeafPlan:
   stage: int = 0
   slice_rows: int = 0
   quantized: bool = False
+  row_axes: int | None = None
   files: tuple = ()
 
   # Derived once from the tier (see __post_init__), read by every step.
@@ -278,6 +286,8 @@ def make_plan(params: Any, rule: Any, options: Options) -> Plan:
       zero1 = tiers_lib.zero1_sharding(p, where.shard_state_over, owner)
     state_sharding = tiers_lib.device_sharding_of(p, zero1)
     leaf_master = master if master is not None and master.applies_to(p.dtype) else None
+    row_axes = (None if state_sharding is None and not (_compat.is_tracer(p) and jax.device_count() > 1)
+                else tiers_lib.whole_leading_axes(state_sharding, np.ndim(p)) if state_sharding is not None else 0)
     quantize = storage.quantized and bool(rule.fields) and quantized.quantizable(
         np.shape(p), p.dtype, _last_axis_shards(state_sharding, np.ndim(p)))
     leaves.append(LeafPlan(
@@ -288,7 +298,7 @@ def make_plan(params: Any, rule: Any, options: Options) -> Plan:
         # One device (a mesh of one): nothing to split, nothing to gather back.
         decay=decay, state_sharding=state_sharding,
         gather_to=None if zero1 is None or state_sharding is None else p.sharding,
-        quantized=quantize))
+        quantized=quantize, row_axes=row_axes))
   shapes = [np.shape(p) for _, p in with_paths]
   leaves = assign_slices(assign_stages(leaves, shapes, STREAM_STAGE_BYTES), shapes, STREAM_STAGE_BYTES)
   split, mesh = _split([leaf.state_sharding for leaf in leaves if leaf.runs_on == "device"])

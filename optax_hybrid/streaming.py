@@ -255,8 +255,9 @@ def step_in_backward(tx: Any, embed_fn: Callable[[Any, Any], Any], layer_fn: Cal
 
   Args:
     tx: an optimizer of this library (``hybrid_adamw`` and the other
-      ``hybrid_*``), whose stacked layers run on the device on one device
-      (tier ``"device"`` or ``"host_state"``) and with ``skip_nonfinite=False``.
+      ``hybrid_*``), whose stacked layers run on the device (tier
+      ``"device"`` or ``"host_state"``; on a mesh, split along any axis but
+      the first: each device steps its shard), with ``skip_nonfinite=False``.
     embed_fn: ``(rest, batch) -> carry``, a pytree of arrays.
     layer_fn: ``(carry, layer, rest, batch) -> carry`` (the convention of
       :func:`scan_layers`, whose ``args`` are here ``(rest, batch)``); ``layer``
@@ -291,7 +292,8 @@ def step_in_backward(tx: Any, embed_fn: Callable[[Any, Any], Any], layer_fn: Cal
       returns the wrong structure, shape or dtype (``embed_fn`` not a
       pytree of arrays, ``layer_fn`` not the carry it takes, ``head_fn`` not a
       float scalar) or that closes over a value of the params; layers in
-      the ``host`` or ``disk`` tier or split over devices;
+      the ``host`` or ``disk`` tier or with their first axis split over
+      devices;
       ``skip_nonfinite=True``.
 
   Example:

@@ -209,6 +209,21 @@ def device_sharding_of(x: Any, override: Any = None) -> Any:
   return None
 
 
+def whole_leading_axes(sharding: Any, ndim: int) -> int:
+  """How many leading axes of a leaf placed with ``sharding`` every device holds whole (none split over the mesh).
+
+  ``sharding`` is a multi-device ``NamedSharding`` (:func:`device_sharding_of`);
+  for None (one device) every axis is whole: ``ndim``.
+  """
+  if sharding is None:
+    return ndim
+  spec = tuple(sharding.spec)
+  split = [d for d, entry in enumerate(spec[:ndim])
+           if entry is not None and np.prod([sharding.mesh.shape[a] for a in
+                                             (entry if isinstance(entry, tuple) else (entry,))]) > 1]
+  return split[0] if split else ndim
+
+
 def master_needed(param_dtype: Any, master_dtype: Any) -> bool:
   """Does a leaf of ``param_dtype`` keep a master copy in ``master_dtype``? Only for lower-precision floats.
 
@@ -222,4 +237,5 @@ def master_needed(param_dtype: Any, master_dtype: Any) -> bool:
 
 
 __all__ = ["DEVICE_TIER", "DISK_TIER", "HOST_STATE_TIER", "HOST_TIER", "STATE_KIND", "TIERS", "TierSpec",
-           "check_fraction", "check_tier_spec", "master_needed", "pick_by_fraction", "resolve", "zero1_sharding"]
+           "check_fraction", "check_tier_spec", "master_needed",
+           "whole_leading_axes", "pick_by_fraction", "resolve", "zero1_sharding"]

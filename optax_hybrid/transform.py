@@ -75,15 +75,16 @@ class HybridOptimizer(optax.GradientTransformationExtraArgs):
       state: this optimizer's state.
       by_rows: a tree of bools shaped like ``params`` or a prefix of it
         (``{"layers": True, "embed": False, ...}``): the leaves stepped by
-        rows of their first axis. Each must run on the device, on one device:
-        tier ``"device"`` or ``"host_state"``.
+        rows of their first axis. Each must run on the device (tier
+        ``"device"`` or ``"host_state"``), with that axis whole on every
+        device (on a mesh, split the other axes: ``P(None, "fsdp", ...)``).
 
     Returns:
       A :class:`StepInParts`.
 
     Raises:
-      ValueError: for a marked leaf in the ``host`` or ``disk`` tier, split over
-        devices, or a scalar; for ``skip_nonfinite=True``.
+      ValueError: for a marked leaf in the ``host`` or ``disk`` tier, with its
+        first axis split over devices, or a scalar; for ``skip_nonfinite=True``.
 
     Example:
       >>> import jax, jax.numpy as jnp, optax_hybrid
@@ -424,7 +425,7 @@ def _engine(rule: UpdateRule, learning_rate: Any, o: Options) -> HybridOptimizer
 
 
 def _rows_stepped(by_rows: Any, params: Any, plan: Plan) -> list[int]:
-  """The indices of the leaves ``by_rows`` marks, each checked: run on the device, on one device, with rows."""
+  """The indices of the leaves ``by_rows`` marks, each checked: run on the device, with rows every device holds."""
   owner = plan.owner
   try:
     marks = jax.tree.leaves(jax.tree.map(lambda m, sub: jax.tree.map(lambda _: bool(m), sub), by_rows, params))
@@ -436,14 +437,19 @@ def _rows_stepped(by_rows: Any, params: Any, plan: Plan) -> list[int]:
   param_leaves = jax.tree.leaves(params)
   for i in rows:
     lp = plan.leaves[i]
-    if lp.runs_on != "device" or lp.on_disk or lp.state_sharding is not None:
-      where = "split over devices" if lp.state_sharding is not None else f"in the {lp.tier!r} tier"
-      raise ValueError(f"{owner}: {lp.path} is stepped a few rows at a time, on the device, in place; it is "
-                       f"{where}. Give the stacked layers tiers='host_state' (state in host memory, stepped "
-                       "on the device) or 'device', on one device.")
     if not np.shape(param_leaves[i]):
       raise ValueError(f"{owner}: {lp.path} is a scalar: only a leaf with rows (stacked layers) is stepped "
                        "by rows; mark it False in `by_rows`.")
+    if lp.runs_on != "device" or lp.on_disk:
+      raise ValueError(f"{owner}: {lp.path} is stepped a few rows at a time, on the device, in place; it is "
+                       f"in the {lp.tier!r} tier. Give the stacked layers tiers='host_state' (state in host "
+                       "memory, stepped on the device) or 'device'.")
+    if lp.row_axes == 0:
+      raise ValueError(f"{owner}: {lp.path} is stepped a few rows of its first axis (the layers) at a time, and "
+                       f"its sharding {lp.state_sharding.spec if lp.state_sharding is not None else '(unknown)'} "
+                       "splits that axis over devices (or init saw it traced on several devices). Split the "
+                       "layers' other axes (FSDP: PartitionSpec(None, 'fsdp', ...)) and pass placed params "
+                       "to init.")
   return rows
 
 

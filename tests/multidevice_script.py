@@ -223,7 +223,9 @@ for name, options in {"device": dict(tiers="device"), "host_state": dict(tiers="
       transform_non_params=lambda _: NamedSharding(mesh, OTHER))
   placed = jax.device_put(state_m, shardings)
   for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(placed), jax.tree.leaves(state_m)):
-    assert a.sharding.is_equivalent_to(b.sharding, a.ndim), (name, path, a.sharding, b.sharding)
+    # An empty entry holds no bytes: init replicates it over the mesh (as a step returns it), the specs split it.
+    assert a.sharding.is_equivalent_to(b.sharding, a.ndim) or a.size == b.size == 0, (name, path, a.sharding,
+                                                                                        b.sharding)
   assert placed.master["b"].shape == (0,) and placed.master["w"].sharding.memory_kind == tx_m.init(
       params_m).master["w"].sharding.memory_kind
   param_shardings = jax.tree.map(lambda p: p.sharding, params_m)

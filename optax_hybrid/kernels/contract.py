@@ -54,10 +54,25 @@ class LeafFacts(NamedTuple):
     decay: does the leaf take weight decay (the mask)?
     out_dtype: dtype of the first result: the update, or the new param when
       ``Step.write_params``.
+    row_axes: how many leading axes of the leaf are whole on every device
+      (not split over a mesh), at most ``ndim - 1``: a kernel that cuts the
+      leaf into slices of rows merges only these into its rows, so a leaf
+      split over devices keeps its split (a reshape or a dynamic slice
+      across a split axis makes XLA's partitioner gather the leaf whole on
+      every device). None: the leaf is whole on this device (one device,
+      or one shard under ``shard_map``), every axis but the last.
+    shard: ``(shard's shape, whole leaf's shape)`` when the kernel gets one
+      shard of a leaf split over devices (under ``shard_map``), else None: a
+      random master format then draws its bits at each element's position in
+      the whole leaf (:func:`optax_hybrid.masters.positions`), the shard's
+      first element's position being in its seed, so a step split over
+      devices draws the bits a whole one does.
   """
 
   decay: bool
   out_dtype: Any
+  row_axes: int | None = None
+  shard: tuple | None = None
 
 
 class LeafResult(NamedTuple):

@@ -210,14 +210,14 @@ def _launch(leaves, facts, s, step, *, interpret, block_size, rows_per_program, 
     scalars = type(s)(**{**dict.fromkeys(s._fields), **{n: s_ref[k] for k, n in enumerate(names)}})
     ok = s_ref[len(names)] != 0
 
-    def rule_step(g, state, p, scalars, *, decay, update_dtype, master=None, offset=0):
+    def rule_step(g, state, p, scalars, *, decay, update_dtype, master=None, offset=0, shard=None):
       """The rule on one tile: ``(first, state, master)``; a skipped step keeps every stored array."""
       if step.master is None:
         first, new = reference.leaf_update(step, g, state, p, scalars, decay=decay, update_dtype=update_dtype)
         new_master = None
       else:  # the tile's elements start at flat position `offset` of the leaf
         first, new, new_master = reference.master_update(step, g, state, p, master, scalars, decay=decay,
-                                                         update_dtype=update_dtype, offset=offset)
+                                                         update_dtype=update_dtype, offset=offset, shard=shard)
       if skips:
         first = jnp.where(ok, first, p if step.write_params else jnp.zeros_like(first))
         new = jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, tuple(state))
@@ -270,7 +270,8 @@ def _float_body(i, leaf, fact, layout, refs, outs, program, rule_step, scalars, 
     if slot.master is not None:  # what the format keeps, tiled like the leaf; or a seed, read whole
       master = load(slot.master) if kept else refs[slot.master][...]
     first, new, new_master = rule_step(load(slot.grad), tuple(load(parts[0]) for parts in slot.state), p, scalars,
-                                       decay=fact.decay, update_dtype=fact.out_dtype, master=master, offset=offset)
+                                       decay=fact.decay, update_dtype=fact.out_dtype, master=master, offset=offset,
+                                       shard=fact.shard)
     for k, value in enumerate((first, *new) + (() if new_master is None else (new_master,))):
       pl_triton.store(outs[slot.first_out + k].at[block], value, mask=inside)
 

@@ -21,6 +21,7 @@ keeps, and the format writes :math:`p + u` back to both
 
 from __future__ import annotations
 
+import math
 from typing import Any, Callable, Sequence, Union
 
 import jax
@@ -79,7 +80,8 @@ def leaf_update(step: Step, grad: jax.Array, state: Sequence[Stored], param: jax
 
 
 def master_update(step: Step, grad: jax.Array, state: Sequence[Stored], param: jax.Array | None, master: Any,
-                  s: Any, *, decay: bool, update_dtype: Any, offset: Any = 0) -> tuple[jax.Array, tuple, Any]:
+                  s: Any, *, decay: bool, update_dtype: Any, offset: Any = 0, shard: tuple | None = None
+                  ) -> tuple[jax.Array, tuple, Any]:
   """One leaf's step through its master format ``step.master``: ``(new param, new state, new master)``.
 
   The format reads the float32 value ``w`` from ``param`` and ``master`` (its
@@ -88,13 +90,15 @@ def master_update(step: Step, grad: jax.Array, state: Sequence[Stored], param: j
   ``update_dtype`` (the param's dtype) and what it keeps (None if nothing).
   A random format draws its bits at the elements' flat positions in the leaf,
   ``offset`` being the first one's (a kernel's tile passes its own), so every
-  kernel gets the same bits. A skipped step keeps the param and the master.
+  kernel gets the same bits (``shard``: :attr:`LeafFacts.shard`, for a
+  kernel run on one shard of a split leaf). A skipped step keeps the param
+  and the master.
   """
   fmt = step.master
   value = fmt.value(param, master)
   plain = step._replace(write_params=True, master=None)
   new_value, new_state = leaf_update(plain, grad, state, value, s, decay=decay, update_dtype=value.dtype)
-  where = masters.positions(grad, offset) if fmt.random else None
+  where = masters.positions(grad, offset, shard) if fmt.random else None
   first, new_master = fmt.write(new_value, update_dtype, master, where)
   if s.step_ok is not None:
     keep = lambda old, new: lax.select_n(s.step_ok, old, new)
@@ -175,7 +179,7 @@ def update_leaves(
   ``(new_param, new state)`` with ``step.write_params``. Large leaves with
   8-bit storage are updated in slices of rows (:func:`_in_row_slices`).
   """
-  return [_in_row_slices(leaf, fact, s, step) if _sliced(leaf) else _whole(leaf, fact, s, step)
+  return [_in_row_slices(leaf, fact, s, step) if _sliced(leaf, fact) else _whole(leaf, fact, s, step)
           for leaf, fact in zip(leaves, facts)]
 
 
@@ -184,7 +188,7 @@ def _whole(leaf: LeafOperands, fact: LeafFacts, s: Any, step: Step, offset: Any 
     return LeafResult(*leaf_update(step, leaf.grad, leaf.state, leaf.param, s, decay=fact.decay,
                                    update_dtype=fact.out_dtype))
   return LeafResult(*master_update(step, leaf.grad, leaf.state, leaf.param, leaf.master, s, decay=fact.decay,
-                                   update_dtype=fact.out_dtype, offset=offset))
+                                   update_dtype=fact.out_dtype, offset=offset, shard=fact.shard))
 
 
 # Values of a leaf with 8-bit storage that the rule updates at once. XLA keeps
@@ -196,25 +200,37 @@ def _whole(leaf: LeafOperands, fact: LeafFacts, s: Any, step: Step, offset: Any 
 SLICE_VALUES = 2**18
 
 
-def _sliced(leaf: LeafOperands) -> bool:
-  """8-bit storage (every field or none) of a leaf of more than one slice."""
-  return (bool(leaf.state) and isinstance(leaf.state[0], quantized.QuantizedMoment)
-          and leaf.grad.size > SLICE_VALUES
-          and leaf.grad.size // leaf.grad.shape[-1] > max(1, SLICE_VALUES // leaf.grad.shape[-1]))
+def _row_axes(leaf: LeafOperands, fact: LeafFacts) -> int:
+  """How many leading axes :func:`_in_row_slices` merges into rows: those whole on every device."""
+  lead = leaf.grad.ndim - 1
+  return lead if fact.row_axes is None else min(fact.row_axes, lead)
+
+
+def _sliced(leaf: LeafOperands, fact: LeafFacts) -> bool:
+  """8-bit storage (every field or none) of a leaf of more than one slice of rows."""
+  if not (leaf.state and isinstance(leaf.state[0], quantized.QuantizedMoment) and leaf.grad.size > SLICE_VALUES):
+    return False
+  lead = _row_axes(leaf, fact)
+  row = math.prod(leaf.grad.shape[lead:])
+  return lead > 0 and leaf.grad.size // row > max(1, SLICE_VALUES // row)
 
 
 def _in_row_slices(leaf: LeafOperands, fact: LeafFacts, s: Any, step: Step) -> LeafResult:
   """:func:`leaf_update` over slices of rows (blocks never cross a row), written in place.
 
-  The loop carries the results, initialized with the buffers they replace
-  (the state, the param when it is overwritten, what a master keeps), and
-  reads those operands from the carry so that XLA updates them in place
-  instead of copying them.
+  A row is the leaf's trailing axes after its :func:`_row_axes` leading
+  ones, which are merged into one: a leaf split over devices is cut only
+  along axes every device holds whole, so each device steps its own shard
+  of each slice. The loop carries the results, initialized with the buffers
+  they replace (the state, the param when it is overwritten, what a master
+  keeps), and reads those operands from the carry so that XLA updates them
+  in place instead of copying them.
   """
   shape = leaf.grad.shape
-  rows_total = leaf.grad.size // shape[-1]
-  rows = max(1, SLICE_VALUES // shape[-1])
-  as_rows = lambda x: None if x is None else jax.tree.map(lambda a: a.reshape(rows_total, a.shape[-1]), x)
+  lead = _row_axes(leaf, fact)
+  rows_total, row_size = math.prod(shape[:lead]), math.prod(shape[lead:])
+  rows = max(1, SLICE_VALUES // row_size)
+  as_rows = lambda x: None if x is None else jax.tree.map(lambda a: a.reshape(rows_total, *a.shape[lead:]), x)
   kept = step.master is not None and step.master.keeps  # else the master operand is None or a seed
   ops = LeafOperands(as_rows(leaf.grad), as_rows(tuple(leaf.state)), as_rows(leaf.param),
                      as_rows(leaf.master) if kept else leaf.master)
@@ -229,7 +245,7 @@ def _in_row_slices(leaf: LeafOperands, fact: LeafFacts, s: Any, step: Step) -> L
     param = out.first if step.write_params and ops.param is not None else ops.param
     part = LeafOperands(take(ops.grad), jax.tree.map(take, out.state), None if param is None else take(param),
                         take(out.master) if kept else ops.master)
-    new = _whole(part, fact, s, step, offset=start * shape[-1])
+    new = _whole(part, fact, s, step, offset=start * row_size)
     return jax.tree.map(lambda buf, x: lax.dynamic_update_slice_in_dim(buf, x, start, axis=0), out, new)
 
   full = rows_total // rows

@@ -1,0 +1,157 @@
+"""Streamed layers under FSDP on 8 devices (run by test_streaming_fsdp.py).
+
+The Llama-style decoder of ``benchmarks/models.py``, each matrix split over an
+8-device mesh on its width axis (``P(None, "fsdp", None)`` for stacked
+``(L, D, F)``), its stacked layers in ``pinned_host``, the batch split over
+the batch axis and the activations between layers constrained to it (as FSDP
+code does), ``tiers="host_state"``; the train step is ``scan_layers`` under
+``jax.value_and_grad`` then ``tx.step``, or ``step_in_backward``.
+
+``--cpu``: on 8 CPU devices, three steps equal three one-device steps (float32
+params, both steps: float rounding of partitioned matmuls; bf16 params with
+stochastic rounding and 8-bit moments in the backward pass: the same losses
+to float rounding), and every param and state leaf keeps its sharding and
+memory kind.
+
+``--gpu``: compiled for one DGX H200 node (8 GPUs, deviceless) at 2 and 4
+layers, bf16 params, stochastic rounding, 8-bit moments: the results keep
+their shardings, each GPU's host arguments grow per layer by its eighth of
+the layer's params and state, and its device memory by its eighth of the
+saved carry (plus, for ``scan_layers`` then ``tx.step``, its eighth of the
+layer's gradient in host temporaries; none in the backward pass).
+"""
+
+import json
+import os
+import sys
+
+assert "--xla_force_host_platform_device_count=8" in os.environ.get("XLA_FLAGS", "")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir)
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+import models  # noqa: E402
+import optax_hybrid  # noqa: E402
+
+MESH = jax.make_mesh((8,), ("fsdp",), axis_types=(jax.sharding.AxisType.Auto,))
+# FSDP: every matrix split on its width axis D; w_down is (L, F, D).
+SPECS = {"embed": P(None, "fsdp"), "head": P("fsdp", None), "final_norm": P("fsdp"), "attn_norm": P(None, "fsdp"),
+         "mlp_norm": P(None, "fsdp"), "w_down": P(None, None, "fsdp")}
+STACKED = P(None, "fsdp", None)
+BATCH = P("fsdp", None)
+
+
+def sharding(path, mesh=MESH):
+  kind = "pinned_host" if path[0].key == "layers" else "device"
+  return NamedSharding(mesh, SPECS.get(path[-1].key, STACKED), memory_kind=kind)
+
+
+def train_step(cfg, tx, in_backward, activations):
+  if in_backward:
+    return models.donation_ordered(optax_hybrid.step_in_backward(tx, *models.llama_parts(cfg, activations)))
+
+  def step(p, s, batch):
+    loss, grads = jax.value_and_grad(lambda p, b: models.llama_loss(cfg, p, b, True, activations=activations))(
+        p, batch)
+    p, s = tx.step(p, s, grads)
+    return p, s, loss
+  return step
+
+
+def run_cpu(in_backward, dtype, options, steps=3):
+  """Three steps on 8 devices and on one; returns both runs' (params, state, losses) and the input shardings."""
+  cfg = models.LlamaConfig(layers=3, width=256, heads=4, ffn=512, vocab=512, seq=32, batch=8)
+  rng = np.random.default_rng(0)
+  values = jax.tree.map(lambda x: (rng.normal(size=x.shape) * 0.05).astype(np.float32),
+                        models.llama_params(cfg, dtype))
+  tokens = rng.integers(0, cfg.vocab, size=(steps, cfg.batch, cfg.seq + 1)).astype(np.int32)
+  runs = []
+  for mesh in (MESH, jax.make_mesh((1,), ("fsdp",), axis_types=(jax.sharding.AxisType.Auto,),
+                                   devices=jax.devices()[:1])):
+    tx = optax_hybrid.hybrid_adamw(1e-3, weight_decay=0.1, tiers="host_state", **options)
+    params = jax.tree_util.tree_map_with_path(lambda path, v: jax.device_put(v.astype(dtype), sharding(path, mesh)),
+                                              values)
+    params, state = optax_hybrid.commit((params, tx.init(params)))
+    shardings = jax.tree.map(lambda a: a.sharding, (params, state))
+    step = jax.jit(train_step(cfg, tx, in_backward, NamedSharding(mesh, P("fsdp"))), donate_argnums=(0, 1))
+    losses = []
+    for t in tokens:
+      batch = {k: jax.device_put(v, NamedSharding(mesh, BATCH)) for k, v in (("inputs", t[:, :-1]),
+                                                                               ("targets", t[:, 1:]))}
+      params, state, loss = step(params, state, batch)
+      losses.append(float(loss))
+    runs.append((params, state, losses, shardings))
+  return runs
+
+
+def check_cpu():
+  bf16 = (jnp.bfloat16, dict(master="stochastic", moment_format="8bit"))
+  for in_backward, (dtype, options) in ((False, (jnp.float32, {})), (True, (jnp.float32, {})), (True, bf16)):
+    (p8, s8, l8, before), (p1, s1, l1, _) = run_cpu(in_backward, dtype, options)
+    where = ("step_in_backward" if in_backward else "scan_layers", np.dtype(dtype).name)
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path((p8, s8)), jax.tree.leaves(before)):
+      assert a.sharding.memory_kind == b.memory_kind and a.sharding.is_equivalent_to(b, a.ndim), (
+          where, jax.tree_util.keystr(path), a.sharding, b)
+    np.testing.assert_allclose(l8, l1, rtol=1e-5, err_msg=str(where))
+    if dtype == jnp.float32:
+      # Partitioned matmuls round the gradients otherwise; Adam's step m / sqrt(v) turns a gradient near
+      # zero's rounding into up to a few percent of one step (lr = 1e-3) in a few elements.
+      for (path, a), b in zip(jax.tree_util.tree_leaves_with_path((p8, s8)), jax.tree.leaves((p1, s1))):
+        a, b = np.asarray(jax.device_get(a)), np.asarray(jax.device_get(b))
+        scale = np.max(np.abs(b), initial=0)
+        slack = 1e-5 + 1e-6 * scale if path[0].idx == 0 else 1e-3 * scale  # params; moments
+        assert np.max(np.abs(a - b), initial=0) <= slack, (where, jax.tree_util.keystr(path),
+                                                            np.max(np.abs(a - b)), slack)
+    print("ok", where, l8, flush=True)
+  print("FSDP CPU OK")
+
+
+def compile_node(layers, in_backward, width=512):
+  from optax_hybrid import gpu_compile
+  cfg = models.LlamaConfig(layers=layers, width=width, heads=4, ffn=1536 * width // 512, vocab=1000, seq=512,
+                           batch=8)
+  params = jax.tree_util.tree_map_with_path(lambda path, x: jax.ShapeDtypeStruct(x.shape, x.dtype,
+                                                                                 sharding=sharding(path)),
+                                            models.llama_params(cfg, jnp.bfloat16))
+  batch = {k: jax.ShapeDtypeStruct((cfg.batch, cfg.seq), jnp.int32, sharding=NamedSharding(MESH, BATCH))
+           for k in ("inputs", "targets")}
+  tx = optax_hybrid.hybrid_adamw(1e-3, weight_decay=0.1, tiers="host_state", master="stochastic",
+                                 moment_format="8bit")
+  state = tx.init(params)
+  report = gpu_compile.compile_for_gpu(train_step(cfg, tx, in_backward, NamedSharding(MESH, P("fsdp"))), params,
+                                       state, batch, target="h200", num_devices=8, donate_argnums=(0, 1))
+  inputs = jax.tree.leaves((params, state))
+  shard_bytes = lambda x: int(np.prod(x.sharding.shard_shape(x.shape))) * np.dtype(x.dtype).itemsize
+  layer_leaves = jax.tree.leaves((params["layers"], state.mu["layers"], state.nu["layers"],
+                                  state.mu_scales["layers"], state.nu_scales["layers"]))
+  return dict(report=report, kept=list(report.output_shardings[:len(inputs)]) == [
+      str(x.sharding._to_xla_hlo_sharding(len(x.shape))) for x in inputs],
+      layer_host_bytes=sum(shard_bytes(x) for x in layer_leaves) / layers,
+      layer_param_bytes=sum(shard_bytes(x) for x in jax.tree.leaves(params["layers"])) / layers,
+      carry_bytes=cfg.batch * cfg.seq * cfg.width * 2 // 8)
+
+
+def check_gpu():
+  for in_backward in (True, False):
+    shallow, deep = compile_node(2, in_backward), compile_node(4, in_backward)
+    grown = lambda key: (getattr(deep["report"], key) - getattr(shallow["report"], key)) / 2
+    figures = {k: grown(k) for k in ("device_peak_bytes", "host_argument_bytes", "host_temp_bytes")}
+    figures.update(carry=deep["carry_bytes"], layer_host=deep["layer_host_bytes"], layer_params=deep["layer_param_bytes"])
+    where = "step_in_backward" if in_backward else "scan_layers then tx.step"
+    for record in (shallow, deep):
+      assert record["kept"] and not record["report"].warnings, (where, record["report"].output_shardings)
+    assert figures["host_argument_bytes"] == deep["layer_host_bytes"], (where, figures)
+    assert figures["device_peak_bytes"] <= 1.05 * deep["carry_bytes"], (where, figures)
+    gradient = 0 if in_backward else deep["layer_param_bytes"]  # scan_layers' gradient buffer, its eighth
+    assert abs(figures["host_temp_bytes"] - gradient) <= 0.01 * deep["layer_param_bytes"], (where, figures)
+    print("ok", where, json.dumps({k: round(v / 1e6, 4) for k, v in figures.items()}), "MB per layer per GPU",
+          flush=True)
+  print("FSDP GPU OK")
+
+
+if __name__ == "__main__":
+  check_gpu() if "--gpu" in sys.argv else check_cpu()
