@@ -285,6 +285,15 @@ def step_in_backward_results_unpacked_in_the_old_order():
   return step_in_backward(tx, params=params, state=state)
 
 
+def state_with_layers_split_along_their_first_axis():
+  """A state whose plan says the stacked leaves' first axis is split over devices (one device here: the plan
+  as ``init`` makes it for ``P("fsdp")`` layers on a mesh; tests/test_streaming_fsdp.py has the real one)."""
+  import dataclasses
+  state = hybrid().init(STACKED)
+  leaves = tuple(dataclasses.replace(leaf, row_axes=0) if "layers" in leaf.path else leaf for leaf in state.plan.leaves)
+  return state._replace(plan=dataclasses.replace(state.plan, leaves=leaves))
+
+
 def scan_layers(layer=lambda c, p: jnp.tanh(c @ p["w"]), layers=STACKED["layers"], **kw):
   return optax_hybrid.scan_layers(layer, jnp.ones((2, 4)), layers, **kw)
 
@@ -295,12 +304,15 @@ TRIGGERS.update({
     "backward-tier": lambda: step_in_backward(hybrid(tiers="host")),
     "backward-loss": lambda: step_in_backward(hybrid(), head=lambda rest, x, b: x.sum(-1)),
     "backward-skip-nonfinite": lambda: step_in_backward(hybrid(skip_nonfinite=True)),
+    "backward-split-layers": lambda: hybrid().begin_step(STACKED, state_with_layers_split_along_their_first_axis(),
+                                                         {"embed": False, "layers": True}),
     "backward-results-order": step_in_backward_results_unpacked_in_the_old_order,
     "backward-layer-fn-args": lambda: step_in_backward(hybrid(), layer=lambda x, p: x @ p["w"]),
     "backward-closed-over-param": lambda: step_in_backward(
         hybrid(), layer=lambda x, p, rest, b: x @ p["w"] + STACKED["embed"][0]),
     "backward-xs-length": lambda: step_in_backward(
-        hybrid(), layer=lambda x, p, key, rest, b: x @ p["w"], xs=lambda rest, b: jax.random.split(jax.random.key(0), 3)),
+        hybrid(), layer=lambda x, p, key, rest, b: x @ p["w"],
+        xs=lambda rest, b: jax.random.split(jax.random.key(0), 3)),
     "embed-fn-carry": lambda: step_in_backward(hybrid(), embed=lambda rest, b: None),
     "layer-fn-carry": lambda: scan_layers(layer=lambda c, p: jnp.tanh(c @ p["w"]).astype(jnp.bfloat16)),
     "layer-fn-scan-pair": lambda: step_in_backward(hybrid(), layer=lambda x, p, rest, b: (x @ p["w"], None)),

@@ -109,8 +109,8 @@ def ours_patched_into_optax(monkeypatch):
 def test_the_selection_covers_every_method_for_each_optimizer():
   methods = {re.sub(r"\d+$", "", m) for m in CASES}
   assert {"test_optimization", "test_optimizers_accept_extra_args",
-          "test_optimizers_can_be_wrapped_in_inject_hyperparams", "test_explicit_dtype", "test_preserve_dtype", "test_state_shape_dtype_shard_stability",
-          "test_gradient_accumulation"} <= methods
+          "test_optimizers_can_be_wrapped_in_inject_hyperparams", "test_explicit_dtype", "test_preserve_dtype",
+          "test_state_shape_dtype_shard_stability", "test_gradient_accumulation"} <= methods
   for name in OURS:
     assert any(f"opt_name='{name}'" in case_params(m) for m in CASES if m.startswith("test_optimization")), name
 
