@@ -35,6 +35,13 @@
    ``host_state`` tier): same losses, step time of each, device and host memory; then the deepest streamed model that the
    machine's host memory holds (about 70% of it), one step.
 
+Beside each measured step time (sections 4, 5 and 6) the script prints the time
+``optax_hybrid.step_time`` estimates from the same compiled program's HLO
+(``compiled.as_text()``) on the spec figures of the GPU it runs on (H100 or
+H200 SXM, PCIe 5 x16): the estimate's check on hardware (docs/step_time.md).
+With ``--smoke`` on a CPU the estimate reads the CPU program: the column then
+only shows that the path runs.
+
 Exits non-zero if a correctness check failed (after printing every figure).
 """
 
@@ -57,7 +64,7 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, os.pardir))
 sys.path.insert(0, os.path.join(HERE, os.pardir, "tests"))  # the float64 model
 import optax_hybrid  # noqa: E402
-from optax_hybrid import placement  # noqa: E402
+from optax_hybrid import placement, step_time  # noqa: E402
 from optax_hybrid.kernels import LeafFacts, LeafOperands, pallas_gpu, reference, step_of  # noqa: E402
 from optax_hybrid.rules.adamw import AdamW  # noqa: E402
 from stepping import adam_scalars  # noqa: E402  (tests/stepping.py)
@@ -245,6 +252,16 @@ def copy_bandwidth(n: int, reps: int) -> float:
   return n * 8 / seconds / 1e9
 
 
+def spec_hardware() -> step_time.Hardware:
+  """The spec figures of the GPU this runs on (an H100's HBM if it is one, else the H200's)."""
+  return step_time.H100_SXM if "H100" in jax.devices()[0].device_kind else step_time.H200_SXM
+
+
+def estimated(compiled, per: int = 1) -> float:
+  """Seconds ``optax_hybrid.step_time`` estimates for a compiled program (divided by ``per`` steps it runs)."""
+  return step_time.estimate(compiled.as_text(), spec_hardware()).seconds / per
+
+
 # --- 3. block sweep ------------------------------------------------------------
 
 def block_sweep(n: int, reps: int, bandwidth: float, configs) -> None:
@@ -292,7 +309,9 @@ class JaxLoop:
     def loop(p, s, g):
       return jax.lax.fori_loop(0, steps, lambda i, c: step_fn(c[0], c[1], g), (p, s))
 
-    self.loop = jax.jit(loop, donate_argnums=(0, 1))
+    # Compiled once, here: the executable runs the steps and its HLO gives the estimate.
+    self.loop = jax.jit(loop, donate_argnums=(0, 1)).lower(self.params, self.state, self.grads).compile()
+    self.estimate = estimated(self.loop, steps)
 
   def run(self):
     self.params, self.state = self.loop(self.params, self.state, self.grads)
@@ -375,14 +394,16 @@ def step_table(tree_name, shapes, reps, steps, bandwidth, torch_ok, host_moments
     v.close()
   med = {k: statistics.median(t) for k, t in times.items()}
   floor = {v.name: v.bytes_per_param for v in built}
+  estimate = {v.name: getattr(v, "estimate", None) for v in built}
   torch_name = "torch AdamW(fused=True)"
-  print(f"| {'variant':<42} | {'ms':>8} | {'GB/s':>9} | {'of copy':>7} | {'optax/ours':>10} | "
+  print(f"| {'variant':<42} | {'ms':>8} | {'est. ms':>8} | {'GB/s':>9} | {'of copy':>7} | {'optax/ours':>10} | "
         f"{'torch/ours':>10} |")
-  print(f"|{'-' * 44}|{'-' * 10}|{'-' * 11}|{'-' * 9}|{'-' * 12}|{'-' * 12}|")
+  print(f"|{'-' * 44}|{'-' * 10}|{'-' * 10}|{'-' * 11}|{'-' * 9}|{'-' * 12}|{'-' * 12}|")
   for name, t in med.items():
     gbs = n_params * floor[name] / t / 1e9
     vs_torch = f"{med[torch_name] / t:10.2f}" if torch_name in med else f"{'-':>10}"
-    print(f"| {name:<42} | {t * 1e3:8.3f} | {gbs:9.1f} | {gbs / bandwidth:7.2f} | {med['optax.adamw'] / t:10.2f} | "
+    est = f"{estimate[name] * 1e3:8.3f}" if estimate[name] is not None else f"{'-':>8}"
+    print(f"| {name:<42} | {t * 1e3:8.3f} | {est} | {gbs:9.1f} | {gbs / bandwidth:7.2f} | {med['optax.adamw'] / t:10.2f} | "
           f"{vs_torch} |", flush=True)
 
 
@@ -423,9 +444,9 @@ def tier_report(n_leaves: int, leaf: int, reps: int) -> None:
   }
   device = jax.devices()[0]
   times = {}
-  print(f"| {'tier':<24} | {'ms':>9} | {'device GiB (args+out+temp)':>26} | {'host GiB (args+out+temp)':>24} |"
-        f" {'bus GB/step':>11} |")
-  print(f"|{'-' * 26}|{'-' * 11}|{'-' * 28}|{'-' * 26}|{'-' * 13}|")
+  print(f"| {'tier':<24} | {'ms':>9} | {'est. ms':>9} | {'device GiB (args+out+temp)':>26} | "
+        f"{'host GiB (args+out+temp)':>24} | {'bus GB/step':>11} |")
+  print(f"|{'-' * 26}|{'-' * 11}|{'-' * 11}|{'-' * 28}|{'-' * 26}|{'-' * 13}|")
   bus_bytes = {"device": 0, "host_state": 24 * n, "host": 4 * n, "half host / half device": 2 * n,
                "only the device half": 0, "only the host half": 2 * n}
   for name, setup in setups.items():
@@ -452,7 +473,7 @@ def tier_report(n_leaves: int, leaf: int, reps: int) -> None:
       jax.block_until_ready(params)
 
     times[name] = timed(run, reps)
-    print(f"| {name:<24} | {times[name] * 1e3:9.1f} | {dev:26.2f} | {host:24.2f} | "
+    print(f"| {name:<24} | {times[name] * 1e3:9.1f} | {estimated(compiled) * 1e3:9.1f} | {dev:26.2f} | {host:24.2f} | "
           f"{bus_bytes[name] / 1e9:11.2f} |", flush=True)
     params = state = grads = None  # free this setup before the next one allocates
   alone = times["only the device half"] + times["only the host half"]
@@ -471,7 +492,7 @@ def _llama_run(cfg_kw: dict, streamed: bool, steps: int, reps: int, in_backward:
   (``lax.scan``, the device tier). ``in_backward``: the streamed layers
   stepped inside the backward pass (``optax_hybrid.step_in_backward``, the
   ``host_state`` tier). bf16 params. Returns (losses, seconds per step,
-  params, device GiB, host GiB).
+  params, device GiB, host GiB, estimated seconds per step).
   """
   import models
   model = models.llama(jnp.bfloat16, stream=streamed, layers_memory_kind="pinned_host" if streamed else "device",
@@ -502,8 +523,8 @@ def _llama_run(cfg_kw: dict, streamed: bool, steps: int, reps: int, in_backward:
     train_step = models.donation_ordered(
         optax_hybrid.step_in_backward(tx, *models.llama_parts(models.LlamaConfig(**cfg_kw))))
 
-  step = jax.jit(train_step, donate_argnums=(0, 1))
-  mem = step.lower(params, state, batch).compile().memory_analysis()
+  step = jax.jit(train_step, donate_argnums=(0, 1)).lower(params, state, batch).compile()
+  mem = step.memory_analysis()
   gib = lambda *xs: sum(xs) / 2**30
   dev = gib(mem.argument_size_in_bytes, mem.output_size_in_bytes - mem.alias_size_in_bytes, mem.temp_size_in_bytes)
   host = gib(getattr(mem, "host_argument_size_in_bytes", 0),
@@ -520,7 +541,7 @@ def _llama_run(cfg_kw: dict, streamed: bool, steps: int, reps: int, in_backward:
     jax.block_until_ready(params)
 
   seconds = timed(run, reps)
-  return losses, seconds, model.num_params, dev, host
+  return losses, seconds, model.num_params, dev, host, estimated(step)
 
 
 def streaming_report(smoke: bool, reps: int) -> None:
@@ -540,10 +561,11 @@ def streaming_report(smoke: bool, reps: int) -> None:
                                       ("streamed (scan_layers from pinned_host, host tier)", True, False),
                                       ("streamed, stepped in the backward pass (host_state)", True, True)):
     rows[name] = _llama_run(dict(layers=layers, **size), streamed, steps=3, reps=reps, in_backward=in_backward)
-  print(f"| {'setup':<52} | {'ms/step':>8} | {'device GiB':>10} | {'host GiB':>8} | losses (3 steps) |")
-  print(f"|{'-' * 54}|{'-' * 10}|{'-' * 12}|{'-' * 10}|{'-' * 18}|")
-  for name, (losses, seconds, n, dev, host) in rows.items():
-    print(f"| {name:<52} | {seconds * 1e3:8.1f} | {dev:10.2f} | {host:8.2f} | "
+  print(f"| {'setup':<52} | {'ms/step':>8} | {'est. ms':>8} | {'device GiB':>10} | {'host GiB':>8} | "
+        "losses (3 steps) |")
+  print(f"|{'-' * 54}|{'-' * 10}|{'-' * 10}|{'-' * 12}|{'-' * 10}|{'-' * 18}|")
+  for name, (losses, seconds, n, dev, host, estimate) in rows.items():
+    print(f"| {name:<52} | {seconds * 1e3:8.1f} | {estimate * 1e3:8.1f} | {dev:10.2f} | {host:8.2f} | "
           f"{', '.join(f'{l:.4f}' for l in losses)} |", flush=True)
   (l_dev, t_dev, *_), (l_str, t_str, *_), (l_back, t_back, *_) = rows.values()
   check("streamed losses == all-on-device losses (3 steps)", excess(l_str, l_dev, 2e-2, 1e-3) <= 1,
@@ -558,13 +580,14 @@ def streaming_report(smoke: bool, reps: int) -> None:
   best, per_layer = None, rows[list(rows)[1]][4] / layers  # host GiB per layer, the small run's
   depth = max(layers, int(0.7 * total_host / max(per_layer, 1e-9))) if not smoke else layers + 1
   try:
-    losses, seconds, n, dev, host = _llama_run(dict(layers=depth, **size), True, steps=1, reps=1)
-    best = (depth, n, seconds, dev, host, losses[-1])
+    losses, seconds, n, dev, host, estimate = _llama_run(dict(layers=depth, **size), True, steps=1, reps=1)
+    best = (depth, n, seconds, dev, host, losses[-1], estimate)
   except Exception as e:  # noqa: BLE001 - out of memory is a finding, reported
     print(f"{depth} layers did not run: {type(e).__name__}: {str(e).splitlines()[0][:200]}", flush=True)
   if best:
-    depth, n, seconds, dev, host, loss = best
-    print(f"deepest streamed run: {depth} layers = {n / 1e9:.2f}B params, {seconds:.2f} s/step, device "
+    depth, n, seconds, dev, host, loss, estimate = best
+    print(f"deepest streamed run: {depth} layers = {n / 1e9:.2f}B params, {seconds:.2f} s/step (estimated "
+          f"{estimate:.2f}), device "
           f"{dev:.1f} GiB, host {host:.1f} GiB of {total_host:.0f} GiB, loss {loss:.4f}", flush=True)
     check("the deepest streamed model ran a finite step", math.isfinite(loss))
 

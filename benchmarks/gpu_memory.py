@@ -204,10 +204,17 @@ def placed(tree):
 
 
 def abstract_state(tx, params):
-  """The optimizer state of abstract params: hybrid_adamw's init takes them directly (keeping memory kinds)."""
+  """The optimizer state of abstract params: hybrid_adamw's init takes them directly (keeping memory kinds and
+  shardings); Optax's state is placed like the params (its params-shaped fields) or beside the first of them."""
   if isinstance(tx, optax_hybrid.HybridAdamW):
     return tx.init(params)
-  return placed(jax.eval_shape(tx.init, params))
+  state = jax.eval_shape(tx.init, params)
+  first = jax.tree.leaves(params)[0].sharding
+  other = (jax.sharding.NamedSharding(first.mesh, jax.sharding.PartitionSpec())
+           if isinstance(first, jax.sharding.NamedSharding) else first)
+  return optax.tree_utils.tree_map_params(
+      tx, lambda x, p: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=p.sharding.with_memory_kind("device")),
+      state, params, transform_non_params=lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=other))
 
 
 def train_step_of(tx, loss):
@@ -253,8 +260,11 @@ def in_subprocess(args: list[str], timeout: float = 1800) -> dict:
     CompileFailed: the subprocess failed; the message has its error (the
       last lines of its stderr), which a table must not turn into "does not fit".
   """
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  if "--devices" in args and int(args[args.index("--devices") + 1]) > 1:  # traced on as many CPU devices
+    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={args[args.index('--devices') + 1]}"
   proc = subprocess.run([sys.executable, os.path.abspath(__file__), *args], capture_output=True, text=True,
-                        timeout=timeout, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+                        timeout=timeout, env=env)
   lines = [l for l in proc.stdout.splitlines() if l.startswith("{")]
   if proc.returncode != 0 or not lines:
     tail = "\n".join(proc.stderr.strip().splitlines()[-15:])
@@ -517,6 +527,14 @@ CAPACITY_SETUPS = {
         1e-4, weight_decay=0.1, tiers="host", master_dtype=jnp.float32, moment_format="float32"), True),
     "host tier + scan_layers, fp32 master, 8-bit moments": (jnp.bfloat16, lambda: optax_hybrid.hybrid_adamw(
         1e-4, weight_decay=0.1, tiers="host", master_dtype=jnp.float32, moment_format="8bit"), True),
+    "device tier, fp32 master, 8-bit moments": (jnp.bfloat16, lambda: optax_hybrid.hybrid_adamw(
+        1e-4, weight_decay=0.1, tiers="device", master="float32", moment_format="8bit"), False),
+    **{f"host_state tier, {what} (params on the device)": (jnp.bfloat16, lambda master=master, moments=moments: (
+        optax_hybrid.hybrid_adamw(1e-4, weight_decay=0.1, tiers="host_state", master=master, moment_format=moments)),
+        False) for what, (master, moments) in (("fp32 master and moments", ("float32", "float32")),
+                                               ("stochastic rounding, fp32 moments", ("stochastic", "float32")),
+                                               ("fp32 master, 8-bit moments", ("float32", "8bit")),
+                                               ("stochastic rounding, 8-bit moments", ("stochastic", "8bit")))},
     "host tier, stochastic rounding, 8-bit moments (params on the device)": (jnp.bfloat16, lambda: (
         optax_hybrid.hybrid_adamw(1e-4, weight_decay=0.1, tiers="host", master="stochastic", moment_format="8bit")),
         False),
@@ -536,32 +554,55 @@ HOST_MEMORIES = {"128 GiB": 128 * 2**30, "256 GB": 256e9, "1 TB": 1e12, "2 TB": 
 LIMIT = 0.9  # of each memory: room for the CUDA context, the allocator's fragmentation, the process itself
 
 
-def capacity_figures(setup: str, layers: int, target: str) -> dict:
-  """Device and host peak of the Llama-style decoder's whole train step at ``layers`` (one compile)."""
+def capacity_figures(setup: str, layers: int, target: str, devices: int = 1) -> dict:
+  """Device and host peak of the Llama-style decoder's whole train step at ``layers`` (one compile), per GPU.
+
+  On ``devices`` GPUs (a node of 8, or two: 16) the model is split as FSDP
+  code splits it (``models.fsdp_placed``: each matrix on its width axis, the
+  batch of ``devices`` sequences on its first axis, the activations between
+  layers constrained to it), and the step compiled for that topology.
+  """
   import models
   dtype, make_tx, streamed = CAPACITY_SETUPS[setup]
-  model = models.llama(dtype, stream=streamed, layers_memory_kind="pinned_host" if streamed else "device",
-                       layers=layers, **LLAMA_SIZES)
+  kind = "pinned_host" if streamed else "device"
+  sizes = dict(LLAMA_SIZES, batch=devices) if devices > 1 else LLAMA_SIZES
+  cfg = models.LlamaConfig(layers=layers, **sizes)
+  model = models.llama(dtype, stream=streamed, layers_memory_kind=kind, layers=layers, **sizes)
+  params, batch, activations = model.params, model.batch, None
+  if devices > 1:
+    mesh = jax.make_mesh((devices,), ("fsdp",), axis_types=(jax.sharding.AxisType.Auto,),
+                         devices=jax.devices()[:devices])
+    params, batch = models.fsdp_placed(model.params, model.batch, mesh, kind)
+    activations = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("fsdp"))
   tx = make_tx()
-  state = abstract_state(tx, model.params)
-  train_step = train_step_of(tx, model.loss)
+  state = abstract_state(tx, params)
+  train_step = train_step_of(tx, lambda p, b: models.llama_loss(cfg, p, b, streamed, activations=activations))
   if setup in IN_BACKWARD:  # the same model, by parts, stepped inside its backward pass
-    parts = models.llama_parts(models.LlamaConfig(layers=layers, **LLAMA_SIZES))
-    train_step = models.donation_ordered(optax_hybrid.step_in_backward(tx, *parts))
-  report = gpu_compile.compile_for_gpu(train_step, model.params, state, model.batch, target=target,
+    train_step = models.donation_ordered(optax_hybrid.step_in_backward(tx, *models.llama_parts(cfg, activations)))
+  report = gpu_compile.compile_for_gpu(train_step, params, state, batch, target=target, num_devices=devices,
                                        donate_argnums=(0, 1))
   n = model.num_params
-  fields = host_bytes_by_field(model.params, state, streamed and setup not in IN_BACKWARD)
-  return dict(setup=setup, layers=layers, params=n, **fields, device=report.device_peak_bytes, host=report.host_peak_bytes,
-              host_argument=report.host_argument_bytes, host_temp=report.host_temp_bytes,
-              to_device=report.to_device_bytes, to_host=report.to_host_bytes, warnings=len(report.warnings))
+  fields = host_bytes_by_field(params, state, streamed and setup not in IN_BACKWARD)
+  hlo_file = None
+  if os.environ.get("GPU_MEMORY_HLO_DIR"):  # the compiled program, for reading it again (collectives, time)
+    import gzip
+    hlo_file = os.path.join(os.environ["GPU_MEMORY_HLO_DIR"], f"{setup}-{layers}-{devices}.hlo.gz".replace(" ", "_"))
+    with gzip.open(hlo_file, "wt") as f:
+      f.write(report.hlo)
+  return dict(setup=setup, layers=layers, params=n, devices=devices, **fields, device=report.device_peak_bytes,
+              host=report.host_peak_bytes, host_argument=report.host_argument_bytes, host_temp=report.host_temp_bytes,
+              to_device=report.to_device_bytes, to_host=report.to_host_bytes, warnings=len(report.warnings),
+              hlo_file=hlo_file, kept_shardings=list(report.output_shardings[:len(jax.tree.leaves((params, state)))]) == [
+                  str(x.sharding._to_xla_hlo_sharding(len(x.shape))) for x in jax.tree.leaves((params, state))]
+              if devices > 1 else True)
 
 
 def host_bytes_by_field(params, state, gradient_buffer: bool) -> dict:
-  """What the step's host memory holds, by what it is for: params, master, the rule's state and (layers streamed
-  by scan_layers, then stepped) the gradient buffer scan_layers writes where the layers live, which has the
-  layers' shapes and dtypes."""
-  on_host = lambda tree: sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree)
+  """What one GPU's share of host memory holds, by what it is for: params, master, the rule's state and (layers
+  streamed by scan_layers, then stepped) the gradient buffer scan_layers writes where the layers live, which has
+  the layers' shapes, dtypes and shardings."""
+  shard_bytes = lambda x: math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
+  on_host = lambda tree: sum(shard_bytes(x) for x in jax.tree.leaves(tree)
                              if getattr(getattr(x, "sharding", None), "memory_kind", None) == "pinned_host")
   by_field = {"host_params": on_host(params), "host_master": 0, "host_moments": 0}
   if isinstance(state, tuple) and hasattr(state, "_fields"):
@@ -572,14 +613,16 @@ def host_bytes_by_field(params, state, gradient_buffer: bool) -> dict:
   return by_field
 
 
-def largest_within(setup: str, target: str, host_limit: float, probes: dict, first: int, second: int) -> dict:
-  """The deepest model whose step fits both limits: predicted from two depths (memory grows linearly with depth
-  for scanned layers), then checked by compiling it and the next depth."""
+def largest_within(setup: str, target: str, host_limit: float, probes: dict, first: int, second: int,
+                   devices: int = 1) -> dict:
+  """The deepest model whose step fits both limits (per GPU): predicted from two depths (memory grows linearly with
+  depth for scanned layers), then checked by compiling it and the next depth."""
   device_limit = LIMIT * gpu_compile.target_device_memory_bytes(target)
 
   def probe(layers):
     if layers not in probes:
-      probes[layers] = in_subprocess(["--one-capacity", setup, "--layers", str(layers), "--target", target])
+      probes[layers] = in_subprocess(["--one-capacity", setup, "--layers", str(layers), "--target", target,
+                                      "--devices", str(devices)])
     return probes[layers]
 
   def fits(layers):
@@ -603,17 +646,29 @@ def by_field(row: dict) -> str:
   return " / ".join(f"{x / row['params']:.2f}" for x in (*parts, row["host"] - sum(parts)))
 
 
+GPUS_PER_NODE = 8
+
+
 def capacity_table(args) -> list[dict]:
   rows, probes = [], {setup: {} for setup in CAPACITY_SETUPS}
+  per_gpu = min(args.devices, GPUS_PER_NODE)  # a host memory is a node's, shared by its GPUs
   for setup in args.capacity_setups.split(";"):
     for memory in args.host_memories.split(","):
-      row = largest_within(setup, args.target, LIMIT * HOST_MEMORIES[memory], probes[setup], 8, 16)
+      row = largest_within(setup, args.target, LIMIT * HOST_MEMORIES[memory] / per_gpu, probes[setup], 8, 16,
+                           args.devices)
       rows.append(dict(row, host_memory=memory))
       print(f"  {json.dumps(rows[-1])}", file=sys.stderr, flush=True)
   device_gb = gpu_compile.target_device_memory_bytes(args.target) / GB
-  print(f"\nThe largest Llama-style decoder (width 4096, 32 heads, SwiGLU 11008, vocab 32000, batch 1 x 2048; "
-        f"layers scanned) whose whole compiled train step fits one {args.target.upper()} ({device_gb:.1f} GB) and "
-        f"a host memory, both used up to {LIMIT:.0%}; compile-time figures, jax {jax.__version__}:\n")
+  if args.devices == 1:
+    where = f"one {args.target.upper()} ({device_gb:.1f} GB) and a host memory"
+  else:
+    nodes = -(-args.devices // GPUS_PER_NODE)
+    where = (f"{args.devices} {args.target.upper()} ({device_gb:.1f} GB each) in {nodes} node(s), FSDP over all of "
+             f"them (each matrix split on its width axis, batch {args.devices} x 2048 split on the batch axis), each "
+             f"node's host memory shared by its {per_gpu} GPUs; figures per GPU")
+  print(f"\nThe largest Llama-style decoder (width 4096, 32 heads, SwiGLU 11008, vocab 32000, "
+        f"{'batch 1 x 2048; ' if args.devices == 1 else ''}layers scanned) whose whole compiled train step fits "
+        f"{where}, both used up to {LIMIT:.0%}; compile-time figures, jax {jax.__version__}:\n")
   print("| host memory | setup | layers | params | x optax.adamw bf16 + fp32 mu | device GB | host GB | "
         "host B/weight | params / master / moments / gradient / other | bus in / out B/weight |")
   print("|---|---|---:|---:|---:|---:|---:|---:|---|---:|")
@@ -675,6 +730,9 @@ def main(argv=None):
   parser.add_argument("--host-memories", default=",".join(HOST_MEMORIES),
                       help="comma-separated subset of: " + ", ".join(HOST_MEMORIES))
   parser.add_argument("--one-capacity", help=argparse.SUPPRESS)
+  parser.add_argument("--devices", type=int, default=1,
+                      help="--capacity-table: GPUs, FSDP over all of them (8: one node; 16: two); a host memory is "
+                           "each node's")
   parser.add_argument("--quick", action="store_true", help="a small run of both tables (a test)")
   parser.add_argument("--one-streaming", help=argparse.SUPPRESS)
   parser.add_argument("--layers", type=int, default=2, help=argparse.SUPPRESS)
@@ -691,7 +749,7 @@ def main(argv=None):
     print(json.dumps(step_figures(args.one_step, args.scale, args.target, args.inputs)))
     return None
   if args.one_capacity:
-    print(json.dumps(capacity_figures(args.one_capacity, args.layers, args.target)))
+    print(json.dumps(capacity_figures(args.one_capacity, args.layers, args.target, args.devices)))
     return None
   if args.capacity_table:
     return dict(capacity=capacity_table(args))

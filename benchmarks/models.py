@@ -29,6 +29,7 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 import optax
+from jax.sharding import PartitionSpec as P
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,6 +163,28 @@ def llama_params(cfg: LlamaConfig, dtype: Any, layers_memory_kind: str = "device
             "mlp_norm": s(L, d), "w_gate": s(L, d, f), "w_up": s(L, d, f), "w_down": s(L, f, d)}
   return {**placed({"embed": s(cfg.vocab, d), "final_norm": s(d), "head": s(d, cfg.vocab)}),
           "layers": placed(layers, layers_memory_kind, named)}
+
+
+# FSDP over a mesh axis "fsdp": every matrix of the decoder split on its width axis D (w_down is (L, F, D)),
+# the norms' scales too; the batch split over its first axis.
+FSDP_SPECS = {"embed": P(None, "fsdp"), "head": P("fsdp", None), "final_norm": P("fsdp"), "attn_norm": P(None, "fsdp"),
+              "mlp_norm": P(None, "fsdp"), "w_down": P(None, None, "fsdp")}
+FSDP_STACKED = P(None, "fsdp", None)  # the other stacked (L, D, F) matrices
+
+
+def fsdp_placed(params: Any, batch: Any, mesh: Any, layers_memory_kind: str = "device") -> tuple[Any, Any]:
+  """The decoder's params and batch as ``ShapeDtypeStruct`` s split over ``mesh`` as FSDP code splits them.
+
+  Each matrix is split on its width axis (:data:`FSDP_SPECS`), the stacked
+  layers in ``layers_memory_kind``, the batch on its first axis.
+  """
+  def one(path, x):
+    kind = layers_memory_kind if path[0].key == "layers" else "device"
+    spec = FSDP_SPECS.get(path[-1].key, FSDP_STACKED)
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=jax.sharding.NamedSharding(mesh, spec, memory_kind=kind))
+  split = jax.sharding.NamedSharding(mesh, P("fsdp"))
+  return (jax.tree_util.tree_map_with_path(one, params),
+          jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=split), batch))
 
 
 def rms_norm(x: jax.Array, scale: jax.Array) -> jax.Array:

@@ -61,19 +61,31 @@ from optax_hybrid import _compat
 from optax_hybrid.kernels.contract import lowering_for
 
 __all__ = [
+    "BOOKKEEPING_OPS",
     "GpuCompileError",
     "GpuCompileReport",
+    "HloInstruction",
     "HloSummary",
     "LoopTransfers",
     "TARGETS",
+    "array_bytes",
+    "array_dims",
+    "collective_of",
+    "collective_payload",
+    "COLLECTIVE_OPS",
     "compile_for_gpu",
     "compile_lowered",
     "count_hlo",
     "cuda_plugin_dir",
+    "host_call_bytes",
+    "in_host_memory",
     "install_cuda_plugin",
+    "is_host_call",
     "load_target",
     "loop_transfers",
+    "parse_hlo",
     "target_device_memory_bytes",
+    "transfer_of",
 ]
 
 _TARGET_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu_targets")
@@ -252,8 +264,10 @@ def _topology_devices(target_text: str, num_devices: int) -> tuple:
 
   jax.devices()  # JAX first loads the plugins on its own path
   _put_plugin_on_path()
+  # Whole nodes of 8 GPUs ("1x2x8": two hosts, one process each) past one node.
+  hosts = num_devices // 8 if num_devices > 8 and num_devices % 8 == 0 else 1
   get = functools.partial(topologies.get_topology_desc, platform="cuda", target_config=target_text,
-                          topology=f"1x1x{num_devices}")
+                          topology=f"1x{hosts}x{num_devices // hosts}")
   try:
     try:
       topology = get()
@@ -309,11 +323,19 @@ _ARRAY = re.compile(r"\b(" + "|".join(sorted(_DTYPE_BYTES, key=len, reverse=True
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s([a-z][a-z0-9\-]*)\((.*)$")
 _COMPUTATION = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
 
-# Ops that launch nothing: bookkeeping, control flow (its bodies are walked),
-# and the asynchronous transfers and host calls (counted apart).
-_NOT_KERNELS = frozenset({
+BOOKKEEPING_OPS = frozenset({
     "parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all", "add-dependency",
     "opt-barrier", "partition-id", "replica-id", "iota-free", "domain",
+})
+"""Opcodes that launch nothing on the device and move nothing: they only name or regroup buffers."""
+
+COLLECTIVE_OPS = frozenset({"all-reduce", "all-gather", "reduce-scatter", "all-to-all", "ragged-all-to-all",
+                            "collective-permute", "collective-broadcast"})
+"""Opcodes of collectives between GPUs (each also has an asynchronous ``-start`` / ``-done`` form)."""
+
+# Ops that launch nothing: bookkeeping, control flow (its bodies are walked),
+# and the asynchronous transfers and host calls (counted apart).
+_NOT_KERNELS = BOOKKEEPING_OPS | frozenset({
     "while", "conditional", "call",
     "copy-start", "copy-done", "call-start", "call-done", "async-start", "async-update", "async-done",
     "custom-call-update", "custom-call-done",
@@ -327,14 +349,44 @@ _HOST_CALLBACK_TARGETS = ("HostExecute", "callback", "HostCompute")
 
 
 @dataclasses.dataclass(frozen=True)
-class _Instruction:
+class HloInstruction:
+  """One instruction of an HLO computation, as :func:`parse_hlo` reads it.
+
+  Attributes:
+    name: its name, without the ``%``.
+    shape: its result shape as written (``bf16[4,8]{1,0:S(5)}``, a tuple...).
+    opcode: ``fusion``, ``copy-start``, ``while``...
+    rest: the text after the opcode's ``(``: operands, then attributes.
+  """
+
   name: str
   shape: str
   opcode: str
-  rest: str  # operands and attributes
+  rest: str
+
+  @property
+  def operands(self) -> list[str]:
+    """The names of its operands, in order."""
+    return _operand_names(self.rest)
+
+  @property
+  def called(self) -> list[str]:
+    """The computations it calls (fusion, loop body and condition, branches, reducers)."""
+    return _called(self.rest)
+
+  @property
+  def trip_count(self) -> int:
+    """A ``while`` op's known trip count, 1 when XLA does not know it."""
+    return _trip_count(self.rest)
+
+  @property
+  def target(self) -> str | None:
+    """A custom call's target (``__cublas$gemm``...), None for other ops."""
+    match = re.search(r'custom_call_target="([^"]+)"', self.rest)
+    return match.group(1) if match else None
 
 
-def _array_bytes(text: str) -> int:
+def array_bytes(text: str) -> int:
   """Bytes of every array shape in ``text`` (a shape or a tuple of shapes)."""
   total = 0.0
   for dtype, dims, _ in _ARRAY.findall(text):
@@ -346,14 +398,30 @@ def _array_bytes(text: str) -> int:
   return int(total)
 
 
-def _in_host_memory(shape: str) -> list[bool]:
+def in_host_memory(shape: str) -> list[bool]:
   """Per array in ``shape``: is its layout in host memory space ``S(5)``?"""
   return ["S(5)" in (layout or "") for _, _, layout in _ARRAY.findall(shape)]
 
 
-def _parse_hlo(text: str) -> tuple[dict[str, list[_Instruction]], str | None]:
-  """Splits HLO module text into computations of instructions; returns them and the entry's name."""
-  computations: dict[str, list[_Instruction]] = {}
+def array_dims(shape: str) -> list[tuple[int, ...]]:
+  """The dimensions of every array in ``shape`` (a shape or a tuple of shapes), in order."""
+  return [tuple(int(d) for d in dims.split(",") if d) for _, dims, _ in _ARRAY.findall(shape)]
+
+
+def parse_hlo(text: str) -> tuple[dict[str, list[HloInstruction]], str | None]:
+  """Splits HLO module text into computations of instructions; returns them and the entry's name.
+
+  A scheduled module (``is_scheduled=true``, as ``hlo_modules()`` of a
+  compiled executable gives it) lists each computation's instructions in the
+  order they run.
+
+  Args:
+    text: HLO module text.
+
+  Returns:
+    ``({computation name: [HloInstruction, ...]}, entry name or None)``.
+  """
+  computations: dict[str, list[HloInstruction]] = {}
   entry = None
   current = None
   for line in text.splitlines():
@@ -370,7 +438,7 @@ def _parse_hlo(text: str) -> tuple[dict[str, list[_Instruction]], str | None]:
       continue
     m = _INSTRUCTION.match(line)
     if m:
-      computations[current].append(_Instruction(*m.groups()))
+      computations[current].append(HloInstruction(*m.groups()))
   return computations, entry
 
 
@@ -406,6 +474,26 @@ class HloSummary:
   transfer_bytes: int = 0
   to_device_bytes: int = 0
   to_host_bytes: int = 0
+  collective_bytes: dict = dataclasses.field(default_factory=dict)
+
+
+def collective_of(ins: HloInstruction, computations: dict) -> HloInstruction | None:
+  """The collective ``ins`` starts or is (itself, or the one an ``async-start`` wraps), None for others."""
+  if ins.opcode.removesuffix("-start") in COLLECTIVE_OPS:
+    return ins
+  if ins.opcode == "async-start":
+    return next((i for c in ins.called for i in computations.get(c, []) if i.opcode in COLLECTIVE_OPS), None)
+  return None
+
+
+def collective_payload(ins: HloInstruction, shapes: dict) -> int:
+  """The bytes a collective (or its ``-start`` / ``async-start``) gathers, scatters or reduces on one GPU.
+
+  The larger of its operands and its result: an asynchronous start's tuple
+  shape holds both, each counted alone.
+  """
+  parts = _top_level(ins.shape) + [shapes.get(o, "") for o in ins.operands]
+  return max(array_bytes(part) for part in parts)
 
 
 def _top_level(shape: str) -> list[str]:
@@ -433,34 +521,51 @@ def _moved(nbytes: int, to_host: bool) -> tuple[int, int]:
   return (0, nbytes) if to_host else (nbytes, 0)
 
 
-def _transfer_of(ins: _Instruction, shapes: dict) -> tuple[int, int] | None:
+def transfer_of(ins: HloInstruction, shapes: dict) -> tuple[int, int] | None:
   """``(to_device, to_host)`` bytes a transfer instruction moves across the link, None if it is no transfer."""
   operands = [shapes.get(o, "") for o in _operand_names(ins.rest)]
   if ins.opcode == "copy-start":  # (destination, source, context)
     destination = _top_level(ins.shape)[0]
-    return _moved(_array_bytes(operands[0] if operands else ""), any(_in_host_memory(destination)))
-  if ins.opcode == "fusion-start" and re.search(r"calls=%?wrapped_dynamic-(update-)?slice", ins.rest):
+    return _moved(array_bytes(operands[0] if operands else ""), any(in_host_memory(destination)))
+  wrapped = re.search(r"calls=%?wrapped_dynamic-(update-)?slice", ins.rest) if ins.opcode == "fusion-start" else None
+  if wrapped:
     # An asynchronous slice copy: ((operands...), result, context).
     parts = _top_level(ins.shape)
     result = parts[1] if len(parts) > 2 else ""
-    if "dynamic-update-slice" in ins.rest:  # the update (operand 1) into a buffer in the result's memory
+    # Read from the computation it calls: an operand's name may say "dynamic-update-slice" too (a slice of
+    # a buffer just updated in place).
+    if wrapped.group(1):  # the update (operand 1) into a buffer in the result's memory
       update = operands[1] if len(operands) > 1 else ""
-      if any(_in_host_memory(update)) != any(_in_host_memory(result)):
-        return _moved(_array_bytes(update), any(_in_host_memory(result)))
+      if any(in_host_memory(update)) != any(in_host_memory(result)):
+        return _moved(array_bytes(update), any(in_host_memory(result)))
       return None
     source = operands[0] if operands else ""
-    if any(_in_host_memory(source)) != any(_in_host_memory(result)):
-      return _moved(_array_bytes(result), any(_in_host_memory(result)))
+    if any(in_host_memory(source)) != any(in_host_memory(result)):
+      return _moved(array_bytes(result), any(in_host_memory(result)))
     return None
   if ins.opcode in _TRANSFER_OPS:
-    spaces = set(_in_host_memory(ins.shape)) | {h for o in operands for h in _in_host_memory(o)}
+    spaces = set(in_host_memory(ins.shape)) | {h for o in operands for h in in_host_memory(o)}
     if len(spaces) > 1:
       moved = operands[1:2] if ins.opcode == "dynamic-update-slice" else [ins.shape]
-      return _moved(sum(_array_bytes(x) for x in moved), any(_in_host_memory(ins.shape)))
+      return _moved(sum(array_bytes(x) for x in moved), any(in_host_memory(ins.shape)))
   return None
 
 
-def _host_call_bytes(ins: _Instruction) -> tuple[int, int]:
+def is_host_call(ins: HloInstruction) -> bool:
+  """Does ``ins`` run a computation on the host CPU?
+
+  XLA's host compute (a ``call``/``call-start`` whose backend config says
+  ``DEVICE_TYPE_HOST``, or a custom call to ``HostExecute``) and custom calls
+  to Python callbacks (``jax.pure_callback``, ``io_callback``).
+  """
+  host_device = "DEVICE_TYPE_HOST" in ins.rest
+  if ins.opcode in ("call-start", "call"):
+    return host_device
+  return ins.opcode in ("custom-call", "custom-call-start") and (
+      host_device or any(t in (ins.target or "") for t in _HOST_CALLBACK_TARGETS))
+
+
+def host_call_bytes(ins: HloInstruction) -> tuple[int, int]:
   """``(to_device, to_host)`` bytes a host call reads from and writes into device memory.
 
   An asynchronous host call's shape is ``((inputs...), (outputs...), context)``:
@@ -470,7 +575,7 @@ def _host_call_bytes(ins: _Instruction) -> tuple[int, int]:
   parts = _top_level(ins.shape)
   if ins.opcode not in ("call-start", "custom-call-start") or len(parts) < 2:
     return 0, 0
-  device_bytes = lambda group: sum(_array_bytes(x) for x in _top_level(group) if not any(_in_host_memory(x)))
+  device_bytes = lambda group: sum(array_bytes(x) for x in _top_level(group) if not any(in_host_memory(x)))
   return device_bytes(parts[1]), device_bytes(parts[0])
 
 
@@ -508,6 +613,10 @@ def count_hlo(text: str) -> HloSummary:
   * ``kernel_bytes``: over the kernels, the bytes of their operands plus their
     results: a compile-time proxy for the memory traffic. It overcounts
     in-place updates of part of a buffer and ignores caching.
+  * ``collective_bytes``: per collective (``all-gather``, ``reduce-scatter``,
+    ``all-reduce``...), the bytes of the buffers it gathers, scatters or
+    reduces on each GPU (the larger of its operands and its result), an
+    instruction inside a ``while`` body once per trip.
   * ``to_device_bytes``, ``to_host_bytes``: the bytes that cross the
     host-device link per step in each direction: each transfer's payload (a
     ``copy-start``'s operand; a slice copy's slice; a synchronous transfer's
@@ -524,9 +633,10 @@ def count_hlo(text: str) -> HloSummary:
     An :class:`HloSummary`; ``kernel_ops`` maps each kernel opcode (custom
     calls by target) to its count.
   """
-  computations, entry = _parse_hlo(text)
+  computations, entry = parse_hlo(text)
   kernels = triton = transfers = host_calls = kernel_bytes = to_device = to_host = 0
   ops: dict[str, int] = {}
+  collectives: dict[str, int] = {}
   if entry is None:
     return HloSummary(0, 0, 0, 0, 0, {})
   seen = set()
@@ -538,19 +648,20 @@ def count_hlo(text: str) -> HloSummary:
     seen.add(name)
     shapes = {ins.name: ins.shape for ins in computations[name]}
     for ins in computations[name]:
-      host_device = "DEVICE_TYPE_HOST" in ins.rest
-      target = (re.search(r'custom_call_target="([^"]+)"', ins.rest) or [None, "?"])[1]
-      if (ins.opcode in ("call-start", "call") and host_device) or (
-          ins.opcode == "custom-call-start" and any(t in target for t in _HOST_CALLBACK_TARGETS)):
+      if is_host_call(ins):
         host_calls += 1
-        down, up = _host_call_bytes(ins)
+        down, up = host_call_bytes(ins)
         to_device, to_host = to_device + trips * down, to_host + trips * up
         continue
       if ins.opcode in _CONTROL_FLOW:
         inner = trips * _trip_count(ins.rest) if ins.opcode == "while" else trips
         todo += [(called, inner) for called in _called(ins.rest)]
         continue
-      moved = _transfer_of(ins, shapes)
+      collective = collective_of(ins, computations)
+      if collective is not None:
+        key = collective.opcode.removesuffix("-start")
+        collectives[key] = collectives.get(key, 0) + trips * collective_payload(ins, shapes)
+      moved = transfer_of(ins, shapes)
       if moved is not None:
         transfers += 1
         to_device, to_host = to_device + trips * moved[0], to_host + trips * moved[1]
@@ -559,21 +670,18 @@ def count_hlo(text: str) -> HloSummary:
         continue
       operands = [shapes.get(o, "") for o in _operand_names(ins.rest)]
       if ins.opcode in ("custom-call", "custom-call-start"):
-        if host_device or any(t in target for t in _HOST_CALLBACK_TARGETS):
-          host_calls += 1
-          continue
-        key = f"custom-call {target}"
-        triton += target == "__gpu$xla.gpu.triton"
+        key = f"custom-call {ins.target or '?'}"
+        triton += ins.target == "__gpu$xla.gpu.triton"
       else:
         key = ins.opcode
         triton += ins.opcode == "fusion" and '"kind":"__triton' in ins.rest
-      if ins.opcode in _TRANSFER_OPS and {h for x in [ins.shape] + operands for h in _in_host_memory(x)} == {True}:
+      if ins.opcode in _TRANSFER_OPS and {h for x in [ins.shape] + operands for h in in_host_memory(x)} == {True}:
         key += " (host->host)"
       kernels += 1
       ops[key] = ops.get(key, 0) + 1
-      kernel_bytes += _array_bytes(ins.shape) + sum(_array_bytes(o) for o in operands)
+      kernel_bytes += array_bytes(ins.shape) + sum(array_bytes(o) for o in operands)
   return HloSummary(kernels, triton, transfers, host_calls, kernel_bytes, dict(sorted(ops.items())),
-                    to_device + to_host, to_device, to_host)
+                    to_device + to_host, to_device, to_host, dict(sorted(collectives.items())))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -611,7 +719,7 @@ def loop_transfers(text: str) -> list[LoopTransfers]:
   Returns:
     One :class:`LoopTransfers` per ``while`` body that fetches anything.
   """
-  computations, _ = _parse_hlo(text)
+  computations, _ = parse_hlo(text)
   trips = {}
   for instructions in computations.values():
     for ins in instructions:
@@ -630,7 +738,7 @@ def loop_transfers(text: str) -> list[LoopTransfers]:
     position = {ins.name: k for k, ins in enumerate(instructions)}
     fetches = overlapped = carried = 0
     for k, ins in enumerate(instructions):
-      moved = _transfer_of(ins, shapes) if ins.opcode == "fusion-start" else None
+      moved = transfer_of(ins, shapes) if ins.opcode == "fusion-start" else None
       if not moved or not moved[0]:
         continue
       fetches += 1
@@ -677,8 +785,8 @@ class GpuCompileReport:
       memory the executable needs at once (an upper bound XLA plans for).
     host_peak_bytes: the same for host memory.
     kernels, triton_launches, transfers, host_calls, kernel_bytes,
-      kernel_ops, transfer_bytes, to_device_bytes, to_host_bytes: from the
-      optimized HLO, see :func:`count_hlo`.
+      kernel_ops, transfer_bytes, to_device_bytes, to_host_bytes,
+      collective_bytes: from the optimized HLO, see :func:`count_hlo`.
     warnings: the host-offloader fallback lines XLA logged ("does device
       compute in host memory space ... Converting into host compute"): each is
       a value in host memory computed on slowly by the host.
@@ -715,6 +823,7 @@ class GpuCompileReport:
   to_host_bytes: int = 0
   parameter_shardings: tuple[str, ...] = ()
   output_shardings: tuple[str, ...] = ()
+  collective_bytes: dict = dataclasses.field(default_factory=dict)
 
   @property
   def device_peak_bytes(self) -> int:
@@ -725,10 +834,30 @@ class GpuCompileReport:
   def host_peak_bytes(self) -> int:
     return self.host_argument_bytes + self.host_output_bytes + self.host_temp_bytes - self.host_alias_bytes
 
+  def step_time(self, hardware: Any = None) -> Any:
+    """The step time estimated from this program's schedule: :func:`optax_hybrid.step_time.estimate`.
+
+    Args:
+      hardware: a :class:`optax_hybrid.step_time.Hardware`, or a target
+        name; None: this report's target when it is one of :data:`TARGETS`.
+
+    Returns:
+      A :class:`optax_hybrid.step_time.StepTime`.
+    """
+    from optax_hybrid import step_time  # it reads the HLO with this module's functions
+
+    if hardware is None:
+      if self.target not in step_time.HARDWARE:
+        raise ValueError(f"No hardware figures for target {self.target!r}: pass `hardware=` "
+                         "(an optax_hybrid.step_time.Hardware).")
+      hardware = self.target
+    return step_time.estimate(self.hlo, hardware)
+
   def as_dict(self) -> dict:
     """The figures as a JSON-friendly dict (no HLO, no log)."""
     out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in ("hlo", "log")}
     out["warnings"] = list(self.warnings)
+    out["parameter_shardings"], out["output_shardings"] = list(self.parameter_shardings), list(self.output_shardings)
     out["device_peak_bytes"] = self.device_peak_bytes
     out["host_peak_bytes"] = self.host_peak_bytes
     return out
@@ -849,7 +978,7 @@ def compile_lowered(lowered: Any, target: str = "h100", num_devices: int = 1) ->
       kernels=summary.kernels, triton_launches=summary.triton_launches, transfers=summary.transfers,
       host_calls=summary.host_calls, kernel_bytes=summary.kernel_bytes, kernel_ops=summary.kernel_ops,
       transfer_bytes=summary.transfer_bytes, to_device_bytes=summary.to_device_bytes,
-      to_host_bytes=summary.to_host_bytes,
+      to_host_bytes=summary.to_host_bytes, collective_bytes=summary.collective_bytes,
       parameter_shardings=_sharding_texts(executable.get_parameter_shardings()),
       output_shardings=_sharding_texts(executable.get_output_shardings()),
       warnings=warnings, log=log, hlo=hlo)

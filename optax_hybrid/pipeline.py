@@ -309,7 +309,8 @@ def _run_group(plans: Sequence[LeafPlan], leaves: Sequence[LeafIn], plan: Plan, 
   for lp, leaf in zip(plans, leaves):
     param = _param_read(lp, leaf, master, write_params)
     if where == "host":  # the param's sharding: its gradient and (if on the device) the param cross with it
-      to = lambda x: jax.tree.map(lambda a: placement.to_host(a, lp.gather_to or lp.state_sharding), x)
+      to = lambda x: jax.tree.map(lambda a: placement.to_host(a, lp.gather_to or lp.state_sharding,
+                                                              one_device=lp.on_one_device), x)
       seed = master is not None and not master.keeps  # a random format's seed: a replicated scalar
       operands.append(LeafOperands(to(leaf.grad), to(leaf.state), to(param),
                                    _compat.move(leaf.master, HOST) if seed else to(leaf.master)))
@@ -370,11 +371,13 @@ def row_stepper(lp: LeafPlan, leaf: LeafIn, plan: Plan, rule: Any, s: Any, *, wr
   first result's buffer where the param lives (the param itself when the
   step writes params, so that its rows not yet stepped are the old ones),
   the state and what the master keeps, where they live.
-  ``step_rows(buffers, grad_rows, start)`` brings rows ``start, start + n``
-  of the state (and master, and param) to the device with the gradient's
-  ``n`` rows, runs the kernel on them and writes the results back into the
-  buffers with ``dynamic_update_slice`` (in place: no copy of the leaf);
-  ``start`` may be traced. A random master format's rows draw the bits the
+  ``step_rows(buffers, grad_rows, start, param_rows=None)`` brings rows
+  ``start, start + n`` of the state (and master, and param) to the device with
+  the gradient's ``n`` rows, runs the kernel on them and writes the results
+  back into the buffers with ``dynamic_update_slice`` (in place: no copy of
+  the leaf); ``start`` may be traced. ``param_rows``: those rows of the param
+  as they are now, already on the device (a layer the backward pass brought
+  in), read instead of fetching them again. A random master format's rows draw the bits the
   whole leaf would draw at their positions
   (:func:`optax_hybrid.masters.seed_at`), so stepping every row once equals
   the whole leaf's step. For a leaf that runs on the device (``device`` and
@@ -393,7 +396,7 @@ def row_stepper(lp: LeafPlan, leaf: LeafIn, plan: Plan, rule: Any, s: Any, *, wr
   first = (leaf.param.astype(facts[0].out_dtype) if in_place else
            _compat.move(lax.empty(shape, facts[0].out_dtype), lp.param_space))
 
-  def step_rows(buffers: LeafOut, grad_rows: Any, start: Any) -> LeafOut:
+  def step_rows(buffers: LeafOut, grad_rows: Any, start: Any, param_rows: Any = None) -> LeafOut:
     first, state, kept_master = buffers
     rows = grad_rows.shape[0]
     take = lambda a: lax.dynamic_slice_in_dim(a, start, rows, axis=0)
@@ -401,10 +404,14 @@ def row_stepper(lp: LeafPlan, leaf: LeafIn, plan: Plan, rule: Any, s: Any, *, wr
     row_major = lambda a: _compat.row_major(a, lp.state_sharding)
     fetch = lambda x: jax.tree.map(lambda a: row_major(_compat.move(take(a), DEVICE)), x)
     read = None if param is None else first if in_place else param
+    if read is not None and param_rows is not None and in_place:  # the current rows: already on the device
+      read, fetch_read = None, row_major(_compat.move(param_rows, DEVICE))
+    else:
+      fetch_read = None if read is None else fetch(read)
     seed = None if master is None or kept else masters.seed_at(
         leaf.master, jnp.asarray(start).astype(jnp.uint32) * jnp.uint32(row_size))
-    ops = LeafOperands(row_major(_compat.move(grad_rows, DEVICE)), fetch(state),
-                       None if read is None else fetch(read), fetch(kept_master) if kept else seed)
+    ops = LeafOperands(row_major(_compat.move(grad_rows, DEVICE)), fetch(state), fetch_read,
+                       fetch(kept_master) if kept else seed)
     branches, operands = _device_branches(kernels, [lp], facts, step, plan, s, [ops])
     new_first, new_state, new_master = per_platform(branches, operands, s)[0]
     put = lambda buf, x: lax.dynamic_update_slice_in_dim(buf, _compat.move(x, _compat.memory_space_of(buf)),

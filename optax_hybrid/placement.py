@@ -380,7 +380,7 @@ def constrain(x: Any, sharding: Any) -> Any:
   return jax.lax.with_sharding_constraint(x, sharding)
 
 
-def to_host(x: Any, sharding: Any = None) -> Any:
+def to_host(x: Any, sharding: Any = None, *, one_device: bool | None = None) -> Any:
   """``x`` moved to host memory for host compute, in the row-major layout (a no-op if it is there).
 
   XLA:GPU gives a host computation's parameters the default (row-major)
@@ -396,13 +396,18 @@ def to_host(x: Any, sharding: Any = None) -> Any:
   Args:
     x: an array or tracer.
     sharding: its ``NamedSharding`` when it is split over several devices
-      (each shard is constrained), else None. With None in a process of
-      several devices the value may be sharded in ways the trace cannot see,
-      and it is moved unconstrained (a whole-value constraint would gather it).
+      (each shard is constrained), else None.
+    one_device: without ``sharding``, whether ``x`` is known to be on one
+      device (constrained whole); None: known only in a process of one
+      device. A value whose placement is not known may be sharded in ways
+      the trace cannot see, and it is moved unconstrained (a whole-value
+      constraint would gather it).
   """
   if _compat.memory_space_of(x) == HOST:
     return x
-  if sharding is not None or jax.device_count() == 1:
+  if one_device is None:
+    one_device = jax.device_count() == 1
+  if sharding is not None or one_device:
     x = _compat.row_major(x, sharding)
   return _compat.move(x, HOST)
 

@@ -141,6 +141,11 @@ class LeafPlan:
   state_space: Any = dataclasses.field(init=False)
   param_space: Any = dataclasses.field(init=False)
 
+  @property
+  def on_one_device(self) -> bool:
+    """The leaf is on one device: init saw it placed so (or the process has one device)."""
+    return self.state_sharding is None and self.row_axes is None
+
   def __post_init__(self):
     derived = {
         "state_space": placement.space_of_kind(self.state_kind),

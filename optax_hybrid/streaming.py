@@ -439,7 +439,9 @@ def _backward_stepping(parts: Any, layer: _StepLayer, length: int, stack: Any, s
     x = _slice(per_layer, i)
     _, vjp = jax.vjp(lambda c, p, k: layer.run(c, p, x, k), _slice(saved, i), p, layer.shared)
     g, g_p, g_k = vjp(g)
-    buffers = parts.step_rows(buffers, [leaf[None] for leaf in jax.tree.leaves(g_p)], i)
+    # The layer's params are on the device already (its VJP read them): the step reads them, not the host.
+    buffers = parts.step_rows(buffers, [leaf[None] for leaf in jax.tree.leaves(g_p)], i,
+                              [leaf[None] for leaf in jax.tree.leaves(p)])
     return g, preceding, buffers, [acc + d for acc, d in zip(g_shared, g_k)]
 
   start = (g, _slice(current(parts.buffers), length - 1), parts.buffers, [jnp.zeros_like(k) for k in layer.shared])

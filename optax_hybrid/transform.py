@@ -120,10 +120,13 @@ class StepInParts(NamedTuple):
       rows, in the params' leaf order: its new param (rows not yet stepped
       hold the old values: read a layer from here), state and master. A loop
       carries them.
-    step_rows: ``(buffers, grads, start) -> buffers``: ``grads`` holds one
-      gradient per leaf stepped by rows, ``n`` rows of it (``n`` the same for
-      all); rows ``start`` to ``start + n`` are stepped (``start`` may be
-      traced).
+    step_rows: ``(buffers, grads, start, params=None) -> buffers``:
+      ``grads`` holds one gradient per leaf stepped by rows, ``n`` rows of it
+      (``n`` the same for all); rows ``start`` to ``start + n`` are stepped
+      (``start`` may be traced). ``params``, if given, holds those rows of
+      each param as they are in ``buffers``, already on the device (the layer
+      a backward pass brought in): the step reads them instead of fetching
+      the rows again.
     finish: ``(buffers, grads) -> (new_params, new_state)``: steps the other
       leaves with ``grads`` (a tree like the params; at the leaves stepped by
       rows anything of their shape, such as a ``jax.ShapeDtypeStruct``: not
@@ -390,8 +393,9 @@ def _engine(rule: UpdateRule, learning_rate: Any, o: Options) -> HybridOptimizer
     steppers = [pipeline.row_stepper(plan.leaves[i], leaves[i], plan, stepped, s, write_params=True, fused=True)
                 for i in rows]
 
-    def step_rows(buffers, grads, start):
-      return [step_of_rows(b, g, start) for (_, step_of_rows), b, g in zip(steppers, buffers, grads)]
+    def step_rows(buffers, grads, start, params=None):
+      params = [None] * len(buffers) if params is None else params
+      return [step_of_rows(b, g, start, p) for (_, step_of_rows), b, g, p in zip(steppers, buffers, grads, params)]
 
     def finish(buffers, grads):
       grad_leaves = treedef.flatten_up_to(grads)

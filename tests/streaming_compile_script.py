@@ -67,6 +67,10 @@ def cases() -> list[dict]:
   # The same layers stepped inside the backward pass (optax_hybrid.step_in_backward): no gradient buffer.
   out += [dict(layers=n, offload=False, inputs="abstract", tier="host_state", step_only=False, in_backward=True)
           for n in (2, 4)]
+  out = [dict(c, master="float32") for c in out]
+  # With stochastic rounding (no master: the step reads the bf16 param rows, the ones the backward pass brought in).
+  out += [dict(layers=n, offload=False, inputs="abstract", tier="host_state", step_only=False, in_backward=True,
+               master="stochastic") for n in (2, 4)]
   return out
 
 
@@ -89,7 +93,7 @@ def run(case: dict) -> dict:
   model = models.llama(jnp.bfloat16, stream=True, offload_carries=case["offload"], layers_memory_kind="pinned_host",
                        layers=case["layers"], **SIZES)
   params = model.params if case["inputs"] == "abstract" else realize(model.params)
-  tx = optax_hybrid.hybrid_adamw(1e-3, weight_decay=0.1, tiers=case["tier"], master_dtype=jnp.float32,
+  tx = optax_hybrid.hybrid_adamw(1e-3, weight_decay=0.1, tiers=case["tier"], master=case["master"],
                                  moment_format="float32")
   state = tx.init(params)
   if case["inputs"] == "abstract":

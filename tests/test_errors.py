@@ -285,27 +285,29 @@ def step_in_backward_results_unpacked_in_the_old_order():
   return step_in_backward(tx, params=params, state=state)
 
 
-def state_with_layers_split_along_their_first_axis():
-  """A state whose plan says the stacked leaves' first axis is split over devices (one device here: the plan
-  as ``init`` makes it for ``P("fsdp")`` layers on a mesh; tests/test_streaming_fsdp.py has the real one)."""
-  import dataclasses
-  state = hybrid().init(STACKED)
-  leaves = tuple(dataclasses.replace(leaf, row_axes=0) if "layers" in leaf.path else leaf for leaf in state.plan.leaves)
-  return state._replace(plan=dataclasses.replace(state.plan, leaves=leaves))
-
-
 def scan_layers(layer=lambda c, p: jnp.tanh(c @ p["w"]), layers=STACKED["layers"], **kw):
   return optax_hybrid.scan_layers(layer, jnp.ones((2, 4)), layers, **kw)
 
 
+def split_layers_state():
+  """A state whose plan says the stacked layers' first axis is split over devices, as init records it for
+  PartitionSpec("fsdp", ...) on a mesh (this process has one device; tests/test_streaming_fsdp.py has the mesh)."""
+  import dataclasses
+  tx = hybrid()
+  state = tx.init(STACKED)
+  leaves = tuple(dataclasses.replace(lp, row_axes=0) if "layers" in lp.path else lp for lp in state.plan.leaves)
+  return tx, state._replace(plan=dataclasses.replace(state.plan, leaves=leaves))
+
+
 TRIGGERS.update({
+    "backward-split-layers": lambda: (lambda tx, state: tx.begin_step(STACKED, state, {"embed": False,
+                                                                                        "layers": True}))(
+        *split_layers_state()),
     "backward-tx": lambda: optax_hybrid.step_in_backward(optax.chain(hybrid()), None, None, None),
     "backward-layers-key": lambda: step_in_backward(hybrid(), {"embed": STACKED["embed"], "blocks": STACKED["layers"]}),
     "backward-tier": lambda: step_in_backward(hybrid(tiers="host")),
     "backward-loss": lambda: step_in_backward(hybrid(), head=lambda rest, x, b: x.sum(-1)),
     "backward-skip-nonfinite": lambda: step_in_backward(hybrid(skip_nonfinite=True)),
-    "backward-split-layers": lambda: hybrid().begin_step(STACKED, state_with_layers_split_along_their_first_axis(),
-                                                         {"embed": False, "layers": True}),
     "backward-results-order": step_in_backward_results_unpacked_in_the_old_order,
     "backward-layer-fn-args": lambda: step_in_backward(hybrid(), layer=lambda x, p: x @ p["w"]),
     "backward-closed-over-param": lambda: step_in_backward(

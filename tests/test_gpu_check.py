@@ -23,6 +23,14 @@ def test_smoke_run_passes_its_checks_and_prints_every_section(capsys):
   for variant in ("optax.adamw", "ours pallas, tx.step", "ours xla, update+apply",
                   "ours pallas, pinned_host moments, tx.step", "ours pallas, 8-bit moments, tx.step"):
     assert f"| {variant}" in out
+  # Every timed table has the estimate beside the measurement, a number in every row.
+  for header in ("| variant", "| tier", "| setup"):
+    lines = out[out.index(header):].splitlines()
+    table = lines[:next((k for k, l in enumerate(lines) if not l.startswith("|")), len(lines))]
+    column = [c.strip() for c in table[0].split("|")].index("est. ms")
+    rows = [[c.strip() for c in l.split("|")][column] for l in table[2:]]
+    assert rows and all(float(x) >= 0 for x in rows if x != "-") and rows.count("-") <= 1, (header, rows)
+  assert "(estimated " in out
   for check in ("8-bit moments: pallas == the XLA rule", "8-bit moments: pallas == the float64 model",
                 "8-bit moments: one Triton launch", "streamed losses == all-on-device losses",
                 "the deepest streamed model ran a finite step"):

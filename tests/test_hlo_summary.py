@@ -57,13 +57,13 @@ def fixture(name: str) -> str:
     ("((f32[4]{0:S(5)}, s32[]), f64[2,2]{1,0}, u32[])", 16 + 4 + 32 + 4),
 ])
 def test_array_bytes_of_a_shape_or_a_tuple_of_shapes(shape, nbytes):
-  assert gpu_compile._array_bytes(shape) == nbytes
+  assert gpu_compile.array_bytes(shape) == nbytes
 
 
 def test_host_memory_is_the_layouts_memory_space_5_per_array():
-  assert gpu_compile._in_host_memory("(f32[4]{0:S(5)}, f32[4]{0}, s32[], bf16[2,2]{1,0:S(5)})") == [
+  assert gpu_compile.in_host_memory("(f32[4]{0:S(5)}, f32[4]{0}, s32[], bf16[2,2]{1,0:S(5)})") == [
       True, False, False, True]
-  assert gpu_compile._in_host_memory("f32[4]{0:S(1)}") == [False]
+  assert gpu_compile.in_host_memory("f32[4]{0:S(1)}") == [False]
 
 
 @pytest.mark.parametrize("shape,parts", [
@@ -107,7 +107,7 @@ def test_trip_count_is_the_known_one_else_one(rest, trips):
 # --- captured modules -----------------------------------------------------------
 
 def test_parse_splits_computations_and_names_the_entry():
-  computations, entry = gpu_compile._parse_hlo(fixture("scan_host_stack"))
+  computations, entry = gpu_compile.parse_hlo(fixture("scan_host_stack"))
   # The text's computations, in order; the file/function/stack tables between the header and them are not.
   assert list(computations) == ["wrapped_dynamic-slice_computation", "scalar_add_computation", "fused_reduce",
                                 "fused_add", "region_0.3", "fused_compare", "region_1.4", "main.5"]
@@ -119,15 +119,15 @@ def test_parse_splits_computations_and_names_the_entry():
   assert main[4].shape == "f32[4,64,64]{2,1,0:S(5)}"
   assert main[1].rest.startswith("%constant_7_0)")
   # A host computation's closing '}, execution_thread="host"' ends it: the entry after it is read.
-  computations, entry = gpu_compile._parse_hlo(fixture("host_compute"))
+  computations, entry = gpu_compile.parse_hlo(fixture("host_compute"))
   assert list(computations) == ["called_computation", "main.2"] and entry == "main.2"
   assert [i.opcode for i in computations["main.2"]] == ["parameter", "parameter", "custom-call-start",
                                                         "custom-call-done"]
 
 
 def test_parse_of_text_without_an_entry():
-  assert gpu_compile._parse_hlo("HloModule m\n\n%f (p: f32[]) -> f32[] {\n  ROOT %p = f32[] parameter(0)\n}\n") == (
-      {"f": [gpu_compile._Instruction("p", "f32[]", "parameter", "0)")]}, None)
+  assert gpu_compile.parse_hlo("HloModule m\n\n%f (p: f32[]) -> f32[] {\n  ROOT %p = f32[] parameter(0)\n}\n") == (
+      {"f": [gpu_compile.HloInstruction("p", "f32[]", "parameter", "0)")]}, None)
   assert gpu_compile.count_hlo("") == HloSummary(0, 0, 0, 0, 0, {}, 0, 0, 0)
 
 
@@ -281,14 +281,14 @@ def test_count_host_calls_device_calls_and_triton():
 
 
 def test_host_call_bytes_count_device_buffers_only():
-  call = gpu_compile._Instruction(
+  call = gpu_compile.HloInstruction(
       "s", "((f32[8]{0}, bf16[4]{0:S(5)}, s32[2]{0}), (f32[2]{0:S(5)}, f32[3]{0}), u32[])", "custom-call-start",
       '%a, %b, %c), custom_call_target="HostExecute"')
   # Down: the device outputs (f32[3]: 12 bytes); up: the device inputs (f32[8] and s32[2]: 32 + 8).
-  assert gpu_compile._host_call_bytes(call) == (12, 40)
+  assert gpu_compile.host_call_bytes(call) == (12, 40)
   # A synchronous host call has no (inputs, outputs) shape: nothing counted.
-  assert gpu_compile._host_call_bytes(gpu_compile._Instruction("c", "f32[8]{0}", "call", "%a)")) == (0, 0)
-  assert gpu_compile._host_call_bytes(gpu_compile._Instruction("c", "u32[]", "call-start", "%a)")) == (0, 0)
+  assert gpu_compile.host_call_bytes(gpu_compile.HloInstruction("c", "f32[8]{0}", "call", "%a)")) == (0, 0)
+  assert gpu_compile.host_call_bytes(gpu_compile.HloInstruction("c", "u32[]", "call-start", "%a)")) == (0, 0)
 
 
 # The entry follows a host computation directly, as XLA prints a module whose only host computation is
@@ -458,8 +458,8 @@ def test_a_loop_whose_body_is_not_in_the_text_has_nothing_to_report():
 ])
 def test_transfer_of_one_instruction(opcode, shape, operand_shapes, moved):
   names = [f"o{k}" for k in range(len(operand_shapes))]
-  ins = gpu_compile._Instruction("x", shape, opcode, ", ".join("%" + n for n in names) + "), metadata={}")
-  assert gpu_compile._transfer_of(ins, dict(zip(names, operand_shapes))) == moved
+  ins = gpu_compile.HloInstruction("x", shape, opcode, ", ".join("%" + n for n in names) + "), metadata={}")
+  assert gpu_compile.transfer_of(ins, dict(zip(names, operand_shapes))) == moved
 
 
 @pytest.mark.parametrize("calls,shape,operand_shapes,moved", [
@@ -485,9 +485,9 @@ def test_transfer_of_one_instruction(opcode, shape, operand_shapes, moved):
 ])
 def test_transfer_of_an_asynchronous_slice(calls, shape, operand_shapes, moved):
   names = [f"o{k}" for k in range(len(operand_shapes))]
-  ins = gpu_compile._Instruction("x", shape, "fusion-start", ", ".join("%" + n for n in names) +
+  ins = gpu_compile.HloInstruction("x", shape, "fusion-start", ", ".join("%" + n for n in names) +
                                  f"), kind=kCustom, calls=%{calls}")
-  assert gpu_compile._transfer_of(ins, dict(zip(names, operand_shapes))) == moved
+  assert gpu_compile.transfer_of(ins, dict(zip(names, operand_shapes))) == moved
 
 
 # --- the report, targets, the plugin's place ------------------------------------------
@@ -498,7 +498,8 @@ def test_report_peaks_and_dict():
       device_alias_bytes=150, host_argument_bytes=4000, host_output_bytes=500, host_temp_bytes=60,
       host_alias_bytes=400, kernels=3, triton_launches=1, transfers=2, host_calls=0, kernel_bytes=77,
       kernel_ops={"fusion": 3}, warnings=("w1",), log="the log", hlo="the hlo", transfer_bytes=9,
-      to_device_bytes=5, to_host_bytes=4)
+      to_device_bytes=5, to_host_bytes=4, parameter_shardings=("{replicated}",),
+      output_shardings=("{devices=[2]<=[2]}",))
   assert report.device_peak_bytes == 1000 + 200 + 30 - 150
   assert report.host_peak_bytes == 4000 + 500 + 60 - 400
   assert report.as_dict() == dict(
@@ -506,6 +507,7 @@ def test_report_peaks_and_dict():
       device_alias_bytes=150, host_argument_bytes=4000, host_output_bytes=500, host_temp_bytes=60,
       host_alias_bytes=400, kernels=3, triton_launches=1, transfers=2, host_calls=0, kernel_bytes=77,
       kernel_ops={"fusion": 3}, warnings=["w1"], transfer_bytes=9, to_device_bytes=5, to_host_bytes=4,
+      parameter_shardings=["{replicated}"], output_shardings=["{devices=[2]<=[2]}"], collective_bytes={},
       device_peak_bytes=1080, host_peak_bytes=4160)
   assert "the hlo" not in repr(report) and "the log" not in repr(report)
 
@@ -600,3 +602,49 @@ def test_a_jitted_function_is_compiled_as_it_is_and_takes_no_jit_options():
   lowered = plain.trace(jnp.ones(3), 2.0).lower()
   assert lowered.args_info[0][0].donated
   assert "multiply" in lowered.as_text()
+
+
+def test_a_slice_of_a_buffer_just_updated_in_place_is_a_fetch():
+  # Operand 0 is the done of an asynchronous update (XLA's double-buffered loops slice the buffer the first
+  # iteration wrote): its name says "dynamic-update-slice", the computation called says a slice. 16 B in.
+  shapes = {"dynamic-update-slice-done.49.0": "f32[3,4]{1,0:S(5)}", "i": "s32[]"}
+  ins = gpu_compile.HloInstruction(
+      "dynamic-slice-start.49.0.double_buffer_clone", "((f32[3,4]{1,0:S(5)}, s32[]), f32[1,4]{1,0}, u32[])",
+      "fusion-start", "%dynamic-update-slice-done.49.0, %i), kind=kCustom, calls=%wrapped_dynamic-slice_computation.3")
+  assert gpu_compile.transfer_of(ins, shapes) == (16, 0)
+
+
+COLLECTIVES = """HloModule collectives, is_scheduled=true
+
+%layer (t: (s32[], bf16[4,64,16])) -> (s32[], bf16[4,64,16]) {
+  %t = (s32[], bf16[4,64,16]{2,1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%t), index=0
+  %shard = bf16[8,16]{1,0} parameter(1)
+  %gathered = bf16[64,16]{1,0} all-gather(%shard), channel_id=1, replica_groups=[1,8]<=[8], dimensions={0}
+  %partial = f32[64,16]{1,0} fusion(%gathered), kind=kLoop, calls=%grad
+  %rs-start = ((f32[64,16]{1,0}), f32[8,16]{1,0}) async-start(%partial), calls=%scatter
+  %rs-done = f32[8,16]{1,0} async-done(%rs-start)
+  ROOT %r = (s32[], bf16[4,64,16]{2,1,0}) tuple(%i, %t)
+}
+
+%scatter (p: f32[64,16]) -> f32[8,16] {
+  %p = f32[64,16]{1,0} parameter(0)
+  ROOT %rs = f32[8,16]{1,0} reduce-scatter(%p), channel_id=2, replica_groups=[1,8]<=[8], dimensions={0}, to_apply=%add
+}
+
+ENTRY %main (s: (s32[], bf16[4,64,16])) -> (s32[], bf16[4,64,16]) {
+  %s = (s32[], bf16[4,64,16]{2,1,0}) parameter(0)
+  %x = f32[128]{0} parameter(1)
+  %ar-start = f32[128]{0} all-reduce-start(%x), channel_id=3, replica_groups=[1,8]<=[8], to_apply=%add
+  %ar-done = f32[128]{0} all-reduce-done(%ar-start)
+  ROOT %loop = (s32[], bf16[4,64,16]{2,1,0}) while(%s), condition=%cond, body=%layer, backend_config={"known_trip_count":{"n":"4"}}
+}
+"""
+
+
+def test_collective_bytes_per_gpu_count_each_trip():
+  # Per trip of 4: an all-gather into 64 x 16 bf16 (2,048 B) and an asynchronous reduce-scatter of 64 x 16 f32
+  # (4,096 B, its operand: the larger side); once, an all-reduce of 128 f32 (512 B). The -done ops add nothing.
+  summary = gpu_compile.count_hlo(COLLECTIVES)
+  assert summary.collective_bytes == {"all-gather": 4 * 64 * 16 * 2, "all-reduce": 128 * 4,
+                                      "reduce-scatter": 4 * 64 * 16 * 4}

@@ -51,7 +51,7 @@ def compiled() -> dict:
     if line.startswith("{") and '"index"' in line:
       record = json.loads(line)
       c = record["case"]
-      results[(c["layers"], c["offload"], c["inputs"], c["tier"], c["step_only"], c["in_backward"])] = record
+      results[(c["layers"], c["offload"], c["inputs"], c["tier"], c["step_only"], c["in_backward"], c["master"])] = record
   if len(results) != len(script.cases()):
     raise RuntimeError(f"{SCRIPT} stopped after {len(results)} cases:\n{proc.stderr[-3000:]}")
   for key, record in results.items():
@@ -63,8 +63,8 @@ def compiled() -> dict:
 pytestmark = [pytest.mark.usefixtures("cuda_compiler_plugin"), pytest.mark.xdist_group("tests/test_streaming_compile.py")]
 
 
-def case(layers, offload=False, inputs="abstract", tier="host", step_only=False, in_backward=False):
-  return compiled()[(layers, offload, inputs, tier, step_only, in_backward)]
+def case(layers, offload=False, inputs="abstract", tier="host", step_only=False, in_backward=False, master="float32"):
+  return compiled()[(layers, offload, inputs, tier, step_only, in_backward, master)]
 
 
 @pytest.mark.parametrize("key", [(c["layers"], c["offload"], c["inputs"]) for c in script.cases()
@@ -170,3 +170,16 @@ def test_the_optimizer_in_the_backward_pass_keeps_no_gradient_and_moves_it_nowhe
   then_step = (case(2, tier="host_state"), case(4, tier="host_state"))  # the gradient out and back in besides
   assert per_layer(then_step, "to_device_bytes") == (2 + 6 + 1) * layer
   assert per_layer(then_step, "to_host_bytes") == (1 + 6 + 1) * layer
+
+
+def test_the_step_in_the_backward_pass_reads_the_params_the_backward_pass_brought_in():
+  # With stochastic rounding (no master) the step reads each layer's bf16 params: it takes the device copy the
+  # layer's backward already fetched, so per layer the bus carries in the params twice (forward, backward) and
+  # the fp32 moments (4x the bf16 params), not the params a third time; out, the moments and the new params.
+  records = case(2, tier="host_state", in_backward=True, master="stochastic"), case(
+      4, tier="host_state", in_backward=True, master="stochastic")
+  layer = records[1]["figures"]["layer_bytes"]
+  per_layer = lambda key: (records[1]["report"][key] - records[0]["report"][key]) // 2
+  assert not records[1]["report"]["warnings"]
+  assert per_layer("to_device_bytes") == (2 + 4) * layer
+  assert per_layer("to_host_bytes") == (1 + 4) * layer

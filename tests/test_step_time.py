@@ -1,0 +1,395 @@
+"""``optax_hybrid.step_time``: step times read off scheduled HLO, against answers worked out by hand.
+
+In-process and compiler-free: small hand-written scheduled modules (and the
+captured H100 modules of ``tests/data/hlo``) on a machine of round figures
+(:data:`HW`), so that each expected time is a line of arithmetic written in
+the test from the shapes: a copy of ``n`` bytes takes ``n / pcie``, a dot of
+``2 m n k`` flops takes that over the peak, a copy overlaps compute only
+between its start and its done. What XLA:GPU itself schedules (a copy loop, a
+matmul chain, a loop fetching a trip ahead or not) is compiled for the H200
+in ``tests/test_step_time_compile.py``.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from optax_hybrid import gpu_compile, step_time
+
+HW = step_time.Hardware("round figures", peak_flops=1e12, hbm_bandwidth=1e11, pcie_bandwidth=1e9,
+                        host_bandwidth=1e10, nvlink_bandwidth=1e10)
+DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "hlo")
+
+M = "f32[1000,1000]{1,0}"  # 4e6 bytes: 4 ms over the link
+HOST_M = "f32[1000,1000]{1,0:S(5)}"
+COPY = 4e6 / HW.pcie_bandwidth  # 4 ms
+DOT = 2 * 1000 ** 3 / HW.peak_flops  # 2 ms (its 12e6 bytes take 0.12 ms)
+
+FUSED_DOT = f"""
+%fused_dot (p0: f32[1000,1000], p1: f32[1000,1000]) -> f32[1000,1000] {{
+  %p0 = {M} parameter(0)
+  %p1 = {M} parameter(1)
+  ROOT %d = {M} dot(%p0, %p1), lhs_contracting_dims={{1}}, rhs_contracting_dims={{0}}
+}}
+"""
+
+
+def module(entry: str, *computations: str, params: str = "") -> str:
+  """A scheduled module: the computations, then ENTRY with ``entry``'s lines (the last is the root)."""
+  return ("HloModule m, is_scheduled=true\n" + "".join(computations)
+          + f"\nENTRY %main ({params}) -> f32[] {{\n{entry.strip()}\n}}\n")
+
+
+def estimate(text: str) -> step_time.StepTime:
+  return step_time.estimate(text, HW)
+
+
+# --- one copy beside one kernel -------------------------------------------------
+
+def test_a_copy_overlaps_the_kernel_scheduled_between_its_start_and_its_done():
+  t = estimate(module(f"""
+  %h = {HOST_M} parameter(0)
+  %a = {M} parameter(1)
+  %cs = ({M}, {HOST_M}, u32[]) copy-start(%h)
+  %k = {M} fusion(%a, %a), kind=kCustom, calls=%fused_dot
+  %cd = {M} copy-done(%cs)
+  ROOT %t = ({M}, {M}) tuple(%k, %cd)""", FUSED_DOT))
+  assert t.seconds == pytest.approx(max(COPY, DOT))
+  assert t.compute == pytest.approx(DOT) and t.bus_in == pytest.approx(COPY) and t.bus_out == 0
+  assert t.bus_busy == pytest.approx(COPY) and t.bus_hidden == pytest.approx(DOT)  # the kernel's 2 ms of the 4
+  assert t.lower_bound == pytest.approx(COPY) and t.bus_hidden_fraction == pytest.approx(DOT / COPY)
+  assert t.flops == 2e9 and t.kernels == 1
+
+
+def test_a_copy_done_before_the_kernel_hides_nothing():
+  t = estimate(module(f"""
+  %h = {HOST_M} parameter(0)
+  %a = {M} parameter(1)
+  %cs = ({M}, {HOST_M}, u32[]) copy-start(%h)
+  %cd = {M} copy-done(%cs)
+  %k = {M} fusion(%a, %cd), kind=kCustom, calls=%fused_dot
+  ROOT %t = ({M}) tuple(%k)""", FUSED_DOT))
+  assert t.seconds == pytest.approx(COPY + DOT)
+  assert t.bus_hidden == 0 and t.lower_bound == pytest.approx(COPY)
+
+
+def test_a_synchronous_transfer_holds_the_stream_and_the_copy_out_uses_the_other_engine():
+  t = estimate(module(f"""
+  %a = {M} parameter(0)
+  %h = {HOST_M} copy(%a)
+  %cs = ({HOST_M}, {M}, u32[]) copy-start(%a)
+  %k = {M} fusion(%a, %a), kind=kCustom, calls=%fused_dot
+  %cd = {HOST_M} copy-done(%cs)
+  ROOT %t = ({HOST_M}, {HOST_M}, {M}) tuple(%h, %cd, %k)"""))
+  # The synchronous copy out (4 ms), then the asynchronous one queued behind it on the same engine (4 ms)
+  # while the kernel runs (2 ms, no FUSED_DOT here: its bytes, 12e6 / 1e11 = 0.12 ms).
+  kernel = 3 * 4e6 / HW.hbm_bandwidth
+  assert t.bus_out == pytest.approx(2 * COPY) and t.bus_in == 0
+  assert t.seconds == pytest.approx(2 * COPY)
+  assert t.bus_hidden == pytest.approx(kernel)
+
+
+def test_copies_in_and_out_run_at_once_on_their_two_engines():
+  t = estimate(module(f"""
+  %h = {HOST_M} parameter(0)
+  %a = {M} parameter(1)
+  %in = ({M}, {HOST_M}, u32[]) copy-start(%h)
+  %out = ({HOST_M}, {M}, u32[]) copy-start(%a)
+  %d1 = {M} copy-done(%in)
+  %d2 = {HOST_M} copy-done(%out)
+  ROOT %t = ({M}, {HOST_M}) tuple(%d1, %d2)"""))
+  assert t.seconds == pytest.approx(COPY) and t.bus_in == pytest.approx(COPY) and t.bus_out == pytest.approx(COPY)
+  assert t.bus_busy == pytest.approx(COPY)  # the union of the two engines' busy time
+
+
+def test_two_copies_in_queue_on_one_engine():
+  t = estimate(module(f"""
+  %h = {HOST_M} parameter(0)
+  %c1 = ({M}, {HOST_M}, u32[]) copy-start(%h)
+  %c2 = ({M}, {HOST_M}, u32[]) copy-start(%h)
+  %d1 = {M} copy-done(%c1)
+  %d2 = {M} copy-done(%c2)
+  ROOT %t = ({M}, {M}) tuple(%d1, %d2)"""))
+  assert t.seconds == pytest.approx(2 * COPY) and t.bus_in == pytest.approx(2 * COPY)
+
+
+# --- loops ----------------------------------------------------------------------
+
+def loop_module(body_lines: str, trips: int, init: str, carried: str, after: str = "") -> str:
+  """A loop of ``trips`` over ``body_lines`` (``%i``, ``%h`` given), started by ``init``; ``after``: entry lines after it."""
+  body = f"""
+%body (arg: {carried}) -> {carried} {{
+  %arg = {carried} parameter(0)
+  %i = s32[] get-tuple-element(%arg), index=0
+  %h = {HOST_M} get-tuple-element(%arg), index=1
+{body_lines}
+}}
+
+%cond (c: {carried}) -> pred[] {{
+  %c = {carried} parameter(0)
+  %ci = s32[] get-tuple-element(%c), index=0
+  ROOT %lt = pred[] compare(%ci, %ci), direction=LT
+}}
+"""
+  entry = f"""
+  %h = {HOST_M} parameter(0)
+  %a = {M} parameter(1)
+  %zero = s32[] constant(0)
+{init}
+  %w = {carried} while(%init), condition=%cond, body=%body, backend_config={{"known_trip_count":{{"n":"{trips}"}}}}
+{after}
+  ROOT %r = s32[] get-tuple-element(%w), index=0"""
+  return module(entry, FUSED_DOT, body)
+
+
+def test_a_loop_that_fetches_and_then_computes_pays_both_per_trip():
+  carried = f"(s32[], {HOST_M}, {M})"
+  text = loop_module(f"""
+  %w0 = {M} get-tuple-element(%arg), index=2
+  %cs = ({M}, {HOST_M}, u32[]) copy-start(%h)
+  %cd = {M} copy-done(%cs)
+  %k = {M} fusion(%w0, %cd), kind=kCustom, calls=%fused_dot
+  ROOT %next = {carried} tuple(%i, %h, %k)""", 1000, f"  %init = {carried} tuple(%zero, %h, %a)", carried)
+  t = estimate(text)
+  assert t.seconds == pytest.approx(1000 * (COPY + DOT))
+  assert t.bus_in == pytest.approx(1000 * COPY) and t.compute == pytest.approx(1000 * DOT)
+  assert t.flops == 1000 * 2e9 and t.kernels == 1000
+  (loop,) = t.loops
+  assert (loop.body, loop.trips) == ("body", 1000)
+  assert loop.seconds == pytest.approx(t.seconds) and loop.bus_in == pytest.approx(t.bus_in)
+
+
+PENDING = f"({M}, {HOST_M}, u32[])"  # an asynchronous copy in flight, as a loop carries it
+AHEAD = f"(s32[], {HOST_M}, {PENDING}, {M})"
+
+
+def fetch_ahead(dots: int, trips: int) -> str:
+  """A loop whose trip waits for the copy started in the trip before, starts the next one, then runs ``dots`` dots."""
+  kernels = "\n".join(f"  %k{j} = {M} fusion(%{'w' if j == 0 else f'k{j - 1}'}, %w), kind=kCustom, calls=%fused_dot"
+                      for j in range(dots))
+  return loop_module(f"""
+  %prev = {PENDING} get-tuple-element(%arg), index=2
+  %w = {M} copy-done(%prev)
+  %cs = {PENDING} copy-start(%h)
+{kernels}
+  ROOT %next = {AHEAD} tuple(%i, %h, %cs, %k{dots - 1})""", trips,
+                     f"  %first = {PENDING} copy-start(%h)\n  %init = {AHEAD} tuple(%zero, %h, %first, %a)", AHEAD,
+                     after=f"  %last = {PENDING} get-tuple-element(%w), index=2\n  %unused = {M} copy-done(%last)")
+
+
+@pytest.mark.parametrize("dots,per_trip", [(1, COPY), (3, 3 * DOT)])
+def test_a_loop_that_fetches_a_trip_ahead_hides_the_smaller_of_copy_and_compute(dots, per_trip):
+  # 1000 trips; the copy started before the loop is waited for in full, then each trip takes the
+  # longer of its copy (the next trip's) and its kernels.
+  t = estimate(fetch_ahead(dots, 1000))
+  assert t.seconds == pytest.approx(COPY + 1000 * per_trip, rel=1e-9)
+  assert t.bus_in == pytest.approx(1001 * COPY)
+  assert t.bus_hidden == pytest.approx(1000 * min(COPY, dots * DOT), rel=1e-9)
+  assert t.lower_bound == pytest.approx(max(1001 * COPY, 1000 * dots * DOT))
+
+
+@pytest.mark.parametrize("dots", [1, 3])
+def test_the_trips_added_without_replay_equal_the_trips_replayed(dots, monkeypatch):
+  text = fetch_ahead(dots, 300)
+  shortcut = estimate(text)
+  monkeypatch.setattr(step_time, "_close", lambda a, b: False)  # never two trips alike: all 300 replayed
+  replayed = estimate(text)
+  for field in ("seconds", "compute", "bus_in", "bus_busy", "bus_hidden", "flops", "kernels"):
+    assert getattr(shortcut, field) == pytest.approx(getattr(replayed, field), rel=1e-9), field
+  (fast,), (slow,) = shortcut.loops, replayed.loops
+  assert fast.trips == slow.trips == 300 and fast.seconds == pytest.approx(slow.seconds, rel=1e-9)
+
+
+def test_trips_alike_in_time_but_not_in_backlog_are_replayed():
+  # Each trip starts a 4 ms copy and waits for the one started three trips before, then computes 2 ms:
+  # the first trips each take 2 ms while the copy engine falls further behind (its backlog grows by
+  # 2 ms a trip), so two trips of equal time are not yet a repeating state. Once the backlog binds,
+  # a trip takes a copy's 4 ms; copy k ends at 4k ms, and the step ends with the last: 4 N ms.
+  # (The three slots the loop starts with hold no copy: as if done before the loop.)
+  carried = f"(s32[], {HOST_M}, {PENDING}, {PENDING}, {PENDING}, {M})"
+  text = loop_module(f"""
+  %p1 = {PENDING} get-tuple-element(%arg), index=2
+  %p2 = {PENDING} get-tuple-element(%arg), index=3
+  %p3 = {PENDING} get-tuple-element(%arg), index=4
+  %w = {M} get-tuple-element(%arg), index=5
+  %old = {M} copy-done(%p3)
+  %cs = {PENDING} copy-start(%h)
+  %k = {M} fusion(%w, %w), kind=kCustom, calls=%fused_dot
+  ROOT %next = {carried} tuple(%i, %h, %cs, %p1, %p2, %k)""", 100,
+                     f"  %init = {carried} tuple(%zero, %h, %a, %a, %a, %a)", carried,
+                     after="\n".join(f"  %l{j} = {PENDING} get-tuple-element(%w), index={j}\n"
+                                     f"  %d{j} = {M} copy-done(%l{j})" for j in (2, 3, 4)))
+  t = estimate(text)
+  assert t.seconds == pytest.approx(100 * COPY, rel=1e-9)
+  assert t.bus_in == pytest.approx(100 * COPY) and t.compute == pytest.approx(100 * DOT)
+
+
+def test_a_loop_of_unknown_trip_count_runs_once_and_is_counted():
+  carried = f"(s32[], {HOST_M}, {M})"
+  text = loop_module(f"""
+  %w0 = {M} get-tuple-element(%arg), index=2
+  %k = {M} fusion(%w0, %w0), kind=kCustom, calls=%fused_dot
+  ROOT %next = {carried} tuple(%i, %h, %k)""", 7, f"  %init = {carried} tuple(%zero, %h, %a)", carried)
+  text = text.replace(', backend_config={"known_trip_count":{"n":"7"}}', "")
+  t = estimate(text)
+  assert t.unknown_trip_counts == 1 and t.seconds == pytest.approx(DOT)
+
+
+# --- what a kernel costs ----------------------------------------------------------
+
+def test_a_fusion_that_updates_a_buffer_in_place_moves_the_update_only():
+  text = module(f"""
+  %big = f32[100,1000,1000]{{2,1,0}} parameter(0)
+  %row = f32[1,1000,1000]{{2,1,0}} parameter(1)
+  %i = s32[] parameter(2)
+  ROOT %f = f32[100,1000,1000]{{2,1,0}} fusion(%big, %row, %i), kind=kLoop, calls=%put""", f"""
+%put (p0: f32[100,1000,1000], p1: f32[1,1000,1000], p2: s32[]) -> f32[100,1000,1000] {{
+  %p0 = f32[100,1000,1000]{{2,1,0}} parameter(0)
+  %p1 = f32[1,1000,1000]{{2,1,0}} parameter(1)
+  %p2 = s32[] parameter(2)
+  %z = s32[] constant(0)
+  %neg = f32[1,1000,1000]{{2,1,0}} negate(%p1)
+  ROOT %u = f32[100,1000,1000]{{2,1,0}} dynamic-update-slice(%p0, %neg, %p2, %z, %z)
+}}
+""")
+  # Read the row (4e6) and the index (4), write the row (4e6): not the 400 MB buffer.
+  assert estimate(text).seconds == pytest.approx((2 * 4e6 + 4) / HW.hbm_bandwidth)
+
+
+def test_a_fusion_that_reads_a_slice_of_an_operand_reads_the_slice_only():
+  text = module(f"""
+  %big = f32[100,1000,1000]{{2,1,0}} parameter(0)
+  %i = s32[] parameter(1)
+  ROOT %f = f32[1000,1000]{{1,0}} fusion(%big, %i), kind=kLoop, calls=%take""", f"""
+%take (p0: f32[100,1000,1000], p1: s32[]) -> f32[1000,1000] {{
+  %p0 = f32[100,1000,1000]{{2,1,0}} parameter(0)
+  %p1 = s32[] parameter(1)
+  %z = s32[] constant(0)
+  %s = f32[1,1000,1000]{{2,1,0}} dynamic-slice(%p0, %p1, %z, %z), dynamic_slice_sizes={{1,1000,1000}}
+  %b = f32[1000,1000]{{1,0}} bitcast(%s)
+  ROOT %e = f32[1000,1000]{{1,0}} exponential(%b)
+}}
+""")
+  assert estimate(text).seconds == pytest.approx((2 * 4e6 + 4) / HW.hbm_bandwidth)
+
+
+def test_a_batched_dot_counts_its_batch_and_a_cublas_gemm_its_backend_dimensions():
+  dot = module("""
+  %q = bf16[32,2048,128]{2,1,0} parameter(0)
+  %k = bf16[32,2048,128]{2,1,0} parameter(1)
+  ROOT %s = bf16[32,2048,2048]{2,1,0} dot(%q, %k), lhs_batch_dims={0}, lhs_contracting_dims={2}, rhs_batch_dims={0}, rhs_contracting_dims={2}""")
+  assert estimate(dot).flops == 2 * 32 * 2048 * 2048 * 128
+  gemm = module("""
+  %a = bf16[4096,1024]{1,0} parameter(0)
+  %b = bf16[1024,512]{1,0} parameter(1)
+  ROOT %g = (bf16[4096,512]{1,0}, s8[4194304]{0}) custom-call(%a, %b), custom_call_target="__cublas$lt$matmul", backend_config={"gemm_backend_config":{"dot_dimension_numbers":{"lhs_contracting_dimensions":["1"],"rhs_contracting_dimensions":["0"],"lhs_batch_dimensions":[],"rhs_batch_dimensions":[]}}}""")
+  t = estimate(gemm)
+  assert t.flops == 2 * 4096 * 512 * 1024 and t.seconds == pytest.approx(t.flops / HW.peak_flops)
+
+
+def test_a_convolution_counts_a_kernel_window_per_output():
+  conv = module("""
+  %x = f32[8,32,32,16]{3,2,1,0} parameter(0)
+  %w = f32[3,3,16,64]{3,2,1,0} parameter(1)
+  ROOT %y = f32[8,32,32,64]{3,2,1,0} convolution(%x, %w), window={size=3x3 pad=1_1x1_1}, dim_labels=b01f_01io->b01f""")
+  assert estimate(conv).flops == 2 * (8 * 32 * 32 * 64) * (3 * 3 * 16)
+
+
+# --- host computations, collectives, branches ---------------------------------------
+
+def test_a_host_computation_reads_its_device_input_over_the_link_then_runs_at_host_bandwidth():
+  with open(os.path.join(DATA, "host_compute.hlo")) as f:
+    t = estimate(f.read())
+  # custom-call-start ((g f32[256] on the device, a f32[256] in host memory), f32[256] in host memory, u32[]):
+  # g crosses to the host (1024 B), then the host reads g and a and writes the result (3 x 1024 B + the u32).
+  assert t.bus_out == pytest.approx(1024 / HW.pcie_bandwidth) and t.bus_in == 0
+  assert t.host == pytest.approx((3 * 1024 + 4) / HW.host_bandwidth)
+  assert t.seconds == pytest.approx(t.bus_out + t.host) and t.compute == 0
+
+
+@pytest.mark.parametrize("op,attrs,moved", [
+    ("all-reduce", "replica_groups={{0,1,2,3}}, to_apply=%add", 2 * 3 / 4),
+    ("all-gather", "replica_groups=[1,4]<=[4], dimensions={0}", 3 / 4),
+    ("collective-permute", "source_target_pairs={{0,1},{1,0}}", 1.0),
+])
+def test_a_collective_moves_its_ring_share_at_nvlink_bandwidth(op, attrs, moved):
+  out = "f32[4000000]{0}" if op == "all-gather" else "f32[1000000]{0}"
+  t = estimate(module(f"""
+  %x = f32[1000000]{{0}} parameter(0)
+  ROOT %y = {out} {op}(%x), {attrs}"""))
+  assert t.collectives == pytest.approx(moved * 16e6 / HW.nvlink_bandwidth if op == "all-gather"
+                                        else moved * 4e6 / HW.nvlink_bandwidth)
+  assert t.seconds == pytest.approx(t.collectives) and t.compute == 0
+
+
+def test_a_conditional_takes_its_slowest_branch():
+  text = module(f"""
+  %p = s32[] parameter(0)
+  %a = {M} parameter(1)
+  ROOT %c = {M} conditional(%p, %a, %a), branch_computations={{%cheap, %dear}}""", FUSED_DOT, f"""
+%cheap (x: f32[1000,1000]) -> f32[1000,1000] {{
+  %x = {M} parameter(0)
+  ROOT %n = {M} negate(%x)
+}}
+
+%dear (y: f32[1000,1000]) -> f32[1000,1000] {{
+  %y = {M} parameter(0)
+  %d1 = {M} fusion(%y, %y), kind=kCustom, calls=%fused_dot
+  ROOT %d2 = {M} fusion(%d1, %y), kind=kCustom, calls=%fused_dot
+}}
+""")
+  assert estimate(text).seconds == pytest.approx(2 * DOT)
+
+
+# --- real modules and the API ---------------------------------------------------------
+
+@pytest.mark.parametrize("name", ["scan_host_stack", "streamed_layers", "host_device_copies"])
+def test_the_link_carries_what_count_hlo_counts(name):
+  with open(os.path.join(DATA, name + ".hlo")) as f:
+    text = f.read()
+  summary, t = gpu_compile.count_hlo(text), estimate(text)
+  assert t.bus_in == pytest.approx(summary.to_device_bytes / HW.pcie_bandwidth)
+  assert t.bus_out == pytest.approx(summary.to_host_bytes / HW.pcie_bandwidth)
+  assert t.lower_bound <= t.seconds <= t.compute + t.bus_in + t.bus_out + t.host + 1e-12
+
+
+def test_mfu_is_model_flops_over_time_and_peak():
+  t = estimate(module(f"""
+  %a = {M} parameter(0)
+  ROOT %k = {M} fusion(%a, %a), kind=kCustom, calls=%fused_dot""", FUSED_DOT))
+  assert t.mfu(1e9) == pytest.approx(1e9 / (DOT * HW.peak_flops))
+  assert t.as_dict()["lower_bound"] == pytest.approx(DOT) and t.as_dict()["hardware"] == "round figures"
+
+
+def test_named_hardware_and_bad_input():
+  text = module(f"%a = {M} parameter(0)\n  ROOT %n = {M} negate(%a)")
+  assert step_time.estimate(text, "h100").hardware is step_time.H100_SXM
+  assert step_time.estimate(text).hardware is step_time.H200_SXM
+  with pytest.raises(ValueError, match="`hardware` must be a Hardware or one of"):
+    step_time.estimate(text, "a100")
+  with pytest.raises(ValueError, match="`hlo` must be an optimized HLO module's text"):
+    step_time.estimate("not HLO")
+  with pytest.raises(ValueError, match="`pcie_bandwidth` must be a positive number"):
+    step_time.Hardware("x", 1e12, 1e11, 0, 1e10, 1e10)
+  with pytest.raises(ValueError, match="`peak_flops` must be a positive number"):
+    step_time.Hardware("x", float("nan"), 1e11, 1e9, 1e10, 1e10)
+
+
+def test_the_h200_figures_are_the_spec_sheets():
+  h = step_time.H200_SXM
+  assert (h.peak_flops, h.hbm_bandwidth, h.nvlink_bandwidth) == (989e12, 4.8e12, 450e9)
+  assert 50e9 <= h.pcie_bandwidth <= 64e9 and step_time.H100_SXM.hbm_bandwidth == 3.35e12
+
+
+def test_kernel_seconds_name_each_kernel_and_leave_out_transfers():
+  seconds = step_time.kernel_seconds(module(f"""
+  %h = {HOST_M} parameter(0)
+  %a = {M} parameter(1)
+  %cs = ({M}, {HOST_M}, u32[]) copy-start(%h)
+  %k = {M} fusion(%a, %a), kind=kCustom, calls=%fused_dot
+  %cd = {M} copy-done(%cs)
+  %sync = {HOST_M} copy(%k)
+  ROOT %t = ({M}, {HOST_M}) tuple(%cd, %sync)""", FUSED_DOT), HW)
+  assert seconds == pytest.approx({"k": DOT})
