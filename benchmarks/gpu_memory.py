@@ -190,7 +190,7 @@ def char_gpt_parts(cfg: Config):
     logits = (layer_norm(h, rest["ln_f"]) @ rest["embed"]["embedding"].T).astype(jnp.float32)
     return optax.softmax_cross_entropy_with_integer_labels(logits, batch[1]).mean()
 
-  return embed, lambda h, p, batch: block(h, p, cfg.heads), head
+  return embed, lambda h, p, rest, batch: block(h, p, cfg.heads), head
 
 
 def num_params(tree) -> int:
