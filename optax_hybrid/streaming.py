@@ -137,20 +137,39 @@ def _put(buffer: Any, values: Any, i: Any) -> Any:
 
 
 def _buffer_like_stack(tree: Any) -> Any:
-  """An uninitialized buffer shaped like each array of ``tree``, in that array's memory; every slice is written.
+  """A buffer shaped like each array of ``tree``, in that array's memory; every slice is written.
 
-  Uninitialized (``lax.empty``: XLA:GPU allocates it where it lives): zeros
-  for a host buffer would be made on the device and copied, a device
-  temporary as large as the stack.
+  In a process of one device, uninitialized (``lax.empty``: XLA:GPU
+  allocates it where it lives): zeros for a host buffer are made on the
+  device and copied over the bus each step. In a process of several devices
+  the stack may be split over a mesh the trace cannot see, and
+  ``lax.empty`` (a custom call XLA's partitioner cannot split) kept a whole
+  gradient on every device (measured on an H200 node, width 512: 0.35 MB per
+  layer per GPU more device memory and 0.37 MB more over the bus than
+  zeros, which the partitioner splits like the gradient slices written
+  into them).
   """
-  return jax.tree.map(lambda a: _compat.move(lax.empty(a.shape, a.dtype), _compat.memory_space_of(a)), tree)
+  if jax.device_count() == 1:
+    return jax.tree.map(lambda a: _compat.move(lax.empty(a.shape, a.dtype), _compat.memory_space_of(a)), tree)
+  return jax.tree.map(lambda a: _compat.move(jnp.zeros(a.shape, a.dtype), _compat.memory_space_of(a)), tree)
 
 
 def _saved_buffer(carry: Any, length: int, offload: bool) -> Any:
-  """Room for ``length`` carries, uninitialized (every slice is written): on the device, or in host memory."""
-  space = HOST if offload else DEVICE
-  return jax.tree.map(lambda c: _compat.move(_compat.row_major(lax.empty((length,) + np.shape(c), c.dtype)), space),
-                      carry)
+  """Room for ``length`` carries (every slice is written): on the device, or in host memory.
+
+  On the device, zeros: XLA's partitioner splits them like the carries
+  written into them (a carry split over the batch on a mesh), where an
+  uninitialized buffer (``lax.empty``, a custom call it cannot split) or a
+  layout constraint on it was kept whole on every device: the device grew
+  by the whole batch's carry per layer instead of its share (measured on an
+  H200 node, 8 to 16 layers: 95.6 MB per layer against a 16.8 MB share).
+  In host memory, uninitialized: zeros would be made on the device and
+  copied, a device temporary as large as the stack.
+  """
+  if offload:
+    return jax.tree.map(lambda c: _compat.move(_compat.row_major(lax.empty((length,) + np.shape(c), c.dtype)), HOST),
+                        carry)
+  return jax.tree.map(lambda c: jnp.zeros((length,) + np.shape(c), c.dtype), carry)
 
 
 def _inexact(leaves: list) -> list[int]:
