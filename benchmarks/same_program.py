@@ -7,7 +7,9 @@ for, master, rule): the SHA-256 of the lowered program's text with its source
 locations removed (they name files and lines, which a refactoring moves) and
 its line count. Equal hashes from two checkouts mean the same program, so the
 same compile and step; run each checkout's own copy of this file or the same
-one. The optimizer steps: GPT-2-small shapes x0.05 (3.1M params, 148 leaves),
+one. Locations are also left out of the Pallas kernels' Triton IR
+(``JAX_TRACEBACK_IN_LOCATIONS_LIMIT=0``), so the programs lowered for CUDA
+compare too. The optimizer steps: GPT-2-small shapes x0.05 (3.1M params, 148 leaves),
 ``weight_decay=0.1``, ``skip_nonfinite=True`` (but for ``backward``); bf16
 params with the master format named (``float32``: ``master_dtype=float32``)
 and float32 moments unless a moment format is named. ``backward``:
@@ -25,6 +27,9 @@ import re
 import sys
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# No source locations in the programs: a Pallas kernel's Triton IR, a serialized blob the regex below cannot reach,
+# names each file and line it was traced from, which differ between two checkouts (their paths) and a refactoring.
+os.environ.setdefault("JAX_TRACEBACK_IN_LOCATIONS_LIMIT", "0")
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
