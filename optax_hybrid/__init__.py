@@ -6,7 +6,8 @@ Public API:
   semantics) and one ``hybrid_<rule>`` per update rule of
   :mod:`optax_hybrid.rules` (``hybrid_lion``, ``hybrid_sgd``...): each takes its
   Optax counterpart's arguments, then the engine's keyword-only placement,
-  storage and kernel options (:mod:`optax_hybrid.options`).
+  storage and kernel options (:mod:`optax_hybrid.options`); a new rule
+  implements the contract of :mod:`optax_hybrid.base` (``UpdateRule``).
 * :func:`scale_by_hybrid_adam`: Adam's direction without the learning rate.
 * :class:`HybridOptimizer` (alias :class:`HybridAdamW`): what they return;
   adds the fused ``step(params, state, grads)``.
@@ -45,7 +46,7 @@ Public API:
   JAX's CUDA plugin: ``gpu_compile.install_cuda_plugin()``).
 """
 
-from optax_hybrid import checkpoint, disk, masters, options, plan, recipe, report, rules, tiers
+from optax_hybrid import base, checkpoint, disk, masters, options, plan, recipe, report, rules, tiers
 from optax_hybrid.placement import (
     STATE_MEMORY_KINDS,
     apply_updates,
@@ -93,6 +94,7 @@ __all__ = [
     "standard_optimizer",
     "tiers",
     "available_memory_kinds",
+    "base",
     "host_arithmetic_outside_host_compute",
     "hybrid_adagrad",
     "hybrid_adamw",

@@ -50,8 +50,8 @@ import jax
 import numpy as np
 
 from optax_hybrid import _compat, disk, masters as masters_lib, placement
+from optax_hybrid.base import STATE_TYPES, is_state as _is_state
 from optax_hybrid.plan import Plan
-from optax_hybrid.rules import STATE_TYPES, is_state as _is_state
 from optax_hybrid.transform import params_shaped_fields
 
 # A state of any rule: HybridAdamState, HybridLionState, ...

@@ -195,7 +195,7 @@ def make_options(owner: str, rule: Any, *, mask: MaskOrFn = None, accepted: tupl
 
   Args:
     owner: the public function, for messages.
-    rule: the :class:`optax_hybrid.rules.UpdateRule` the options go with (its
+    rule: the :class:`optax_hybrid.base.UpdateRule` the options go with (its
       fields' dtype arguments may conflict with ``moment_format``).
     mask: the weight decay mask.
     accepted: the option names ``owner`` takes (default: all).

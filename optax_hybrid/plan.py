@@ -177,12 +177,12 @@ class Plan:
       or ``"xla"`` (placement unknown or mixed: the XLA rule, which GSPMD
       partitions itself).
     mesh: the mesh for ``"shard_map"``, else None.
-    fields: the rule's fields (:class:`optax_hybrid.rules.Field`): the arrays
+    fields: the rule's fields (:class:`optax_hybrid.base.Field`): the arrays
       each leaf keeps (``mu`` and ``nu`` for Adam), in the state's order.
     owner: the optimizer's public function, for messages (``"hybrid_adamw"``).
     static_zeros: the rule's hyperparameters that were a concrete zero at
       ``init`` and are left out of every step (a zero weight decay, Adam's
-      zero ``eps_root``): :attr:`optax_hybrid.rules.UpdateRule.zero_skippable`.
+      zero ``eps_root``): :attr:`optax_hybrid.base.UpdateRule.zero_skippable`.
       Not compared (nor hashed): ``optax.inject_hyperparams``' ``init`` sees
       them traced under ``jit`` (so records none) where the plain optimizer's
       sees Python zeros, and the two states must compare equal (Optax's

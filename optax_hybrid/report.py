@@ -18,10 +18,10 @@ import jax
 import numpy as np
 
 from optax_hybrid import _compat
+from optax_hybrid.base import is_state
 from optax_hybrid.disk import DiskMoment
 from optax_hybrid.paths import path_name, path_names
 from optax_hybrid.plan import Plan
-from optax_hybrid.rules import is_state
 from optax_hybrid.transform import params_shaped_fields
 
 DEVICE, HOST, DISK = "device", "host", "disk"

@@ -1,6 +1,6 @@
 """The engine: an Optax transformation that runs any update rule with placeable state.
 
-:func:`optimizer` turns a rule (:class:`optax_hybrid.rules.UpdateRule`) and the
+:func:`optimizer` turns a rule (:class:`optax_hybrid.base.UpdateRule`) and the
 engine's options (:mod:`optax_hybrid.options`) into a :class:`HybridOptimizer`:
 ``init`` makes the plan (:mod:`optax_hybrid.plan`) and the state, ``update``
 and ``step`` run the pipeline (:mod:`optax_hybrid.pipeline`). Nothing here
@@ -20,10 +20,10 @@ import optax
 from optax._src import numerics
 
 from optax_hybrid import _compat, disk, pipeline, placement
+from optax_hybrid.base import STATE_TYPES, UpdateRule, is_state
 from optax_hybrid.kernels import quantized
 from optax_hybrid.options import OPTION_NAMES, Options, check_learning_rate, make_options
 from optax_hybrid.plan import LeafPlan, Plan, make_plan
-from optax_hybrid.rules import STATE_TYPES, UpdateRule, is_state
 
 
 class HybridOptimizer(optax.GradientTransformationExtraArgs):

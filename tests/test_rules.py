@@ -296,8 +296,8 @@ def test_a_hyperparameter_out_of_its_range_is_refused_naming_the_function_and_th
 
 def test_a_rules_state_type_is_checked_when_the_rule_is_defined():
   # A rule's state: count, skipped, master, plan and, per params-shaped field, <field>_scales (docs/architecture.md).
-  # mutmut: every mutant of rules._params_shaped survived (the built-in rules are defined at import, before a test).
-  from optax_hybrid.rules import STATE_TYPES, UpdateRule
+  # mutmut: every mutant of base._params_shaped (then rules._params_shaped) survived (the built-in rules are defined at import, before a test).
+  from optax_hybrid.base import STATE_TYPES, UpdateRule
 
   class GoodState(NamedTuple):
     count: Any

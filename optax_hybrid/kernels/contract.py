@@ -6,7 +6,7 @@ A kernel is a function ``update_leaves(leaves, facts, s, step) -> results``:
   when the step does not read it);
 * ``facts``: one :class:`LeafFacts` per leaf (static: known at trace time);
 * ``s``: the step's scalars, the rule's ``NamedTuple``
-  (:meth:`optax_hybrid.rules.UpdateRule.scalars`; traced: a changing learning
+  (:meth:`optax_hybrid.base.UpdateRule.scalars`; traced: a changing learning
   rate or step count never recompiles);
 * ``step``: the step-wide :class:`Step` (static): the rule and whether the
   new params are written;
@@ -91,7 +91,7 @@ class Step(NamedTuple):
   """Step-wide static choices. Make one with :func:`step_of`.
 
   Attributes:
-    rule: the :class:`optax_hybrid.rules.UpdateRule` (its static flags; its
+    rule: the :class:`optax_hybrid.base.UpdateRule` (its static flags; its
       hyperparameters arrive in the scalars).
     write_params: return the new param ``p + u`` (rounded once) instead of ``u``.
     fields: ``rule.fields``, and ``decay``: ``rule.decay``, read once for all

@@ -41,8 +41,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from optax_hybrid import _compat
+from optax_hybrid.base import DECOUPLED
 from optax_hybrid.kernels import contract, quantized, reference
-from optax_hybrid.rules import DECOUPLED
 
 TARGET = "optax_hybrid_adamw_cpu"
 _SYMBOL = "OptaxHybridAdamWCpu"

@@ -1,7 +1,7 @@
 r"""Any update rule, applied to a list of leaves in plain ``jax.numpy``: the reference every kernel is tested against.
 
 For one leaf, all in float32 (or wider, if the leaf is), around the rule's own
-update of its state values (:meth:`optax_hybrid.rules.UpdateRule.update`):
+update of its state values (:meth:`optax_hybrid.base.UpdateRule.update`):
 
 .. math::
 
@@ -29,9 +29,9 @@ import jax.numpy as jnp
 from jax import lax
 
 from optax_hybrid import _compat, masters
+from optax_hybrid.base import DECOUPLED, L2
 from optax_hybrid.kernels import quantized
 from optax_hybrid.kernels.contract import LeafFacts, LeafOperands, LeafResult, Step
-from optax_hybrid.rules import DECOUPLED, L2
 
 
 # A field's value in its storage format: an array, or 8-bit block-wise codes and scales.

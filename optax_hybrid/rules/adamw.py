@@ -29,8 +29,8 @@ import jax.numpy as jnp
 import optax
 
 from optax_hybrid import _checks, transform
+from optax_hybrid.base import DECOUPLED, Field, L2, UpdateRule, f32, is_static_zero
 from optax_hybrid.options import MaskOrFn, ScalarOrSchedule, takes_options
-from optax_hybrid.rules import DECOUPLED, Field, L2, UpdateRule, f32, is_static_zero
 
 
 class HybridAdamState(NamedTuple):

@@ -19,8 +19,8 @@ import jax.numpy as jnp
 import optax
 
 from optax_hybrid import _checks, transform
+from optax_hybrid.base import DECOUPLED, Field, UpdateRule, f32
 from optax_hybrid.options import MaskOrFn, ScalarOrSchedule, takes_options
-from optax_hybrid.rules import DECOUPLED, Field, UpdateRule, f32
 
 
 class HybridLionState(NamedTuple):

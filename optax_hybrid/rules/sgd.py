@@ -19,8 +19,8 @@ import jax.numpy as jnp
 import optax
 
 from optax_hybrid import _checks, transform
+from optax_hybrid.base import Field, UpdateRule, f32
 from optax_hybrid.options import ScalarOrSchedule, takes_options
-from optax_hybrid.rules import Field, UpdateRule, f32
 
 
 class HybridSgdState(NamedTuple):
