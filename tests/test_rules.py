@@ -246,7 +246,7 @@ def test_the_memory_report_counts_the_rules_state(rule):
   assert report.num_leaves_without_state == (len(SHAPES) if field is None else 0)
 
 
-# --- the Pallas kernel runs every rule ---------------------------------------------------------------
+# --- the Pallas kernel runs the rules it lists ---------------------------------------------------------
 
 @pytest.mark.parametrize("moment_format", [None, "8bit"])
 @pytest.mark.parametrize("rule", [r for r in RULES if RULES[r][3] is not None])
@@ -262,6 +262,27 @@ def test_the_pallas_kernel_steps_like_the_reference(rule, moment_format):
       assert np.abs(np.asarray(a, np.int64) - np.asarray(b, np.int64)).max() <= 1
     else:
       np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-6, atol=1e-8)
+
+
+def test_a_rule_the_pallas_kernel_does_not_list_takes_the_reference(monkeypatch):
+  # Kernels declare the rules they run (pallas_gpu.RULES): a rule they have never seen (Lion under another name,
+  # as a factored rule, wrong on a tile, would come) is stepped by the reference, the kernel never launched.
+  from optax_hybrid import transform
+  from optax_hybrid.kernels import native_cpu, pallas_gpu
+  from optax_hybrid.rules import Adagrad, AdamW, Lion, Sgd
+
+  class RenamedLion(Lion):
+    name = "renamed_lion"
+
+  assert all(pallas_gpu.implements(rule) for rule in (AdamW(), Lion(), Adagrad(), Sgd()))
+  assert not pallas_gpu.implements(RenamedLion()) and not native_cpu.implements(RenamedLion())
+  monkeypatch.setattr(pallas_gpu, "_run", lambda *a, **k: pytest.fail("the Pallas kernel ran a rule it does not list"))
+  params = make_params()
+  grads = make_grads(params, 2)
+  ours = run_step(transform.optimizer(RenamedLion(b1=0.8, weight_decay=0.1), 1e-2, kernel="pallas"), params, grads)
+  reference = run_step(optax_hybrid.hybrid_lion(1e-2, b1=0.8, weight_decay=0.1, kernel="xla"), params, grads)
+  chex.assert_trees_all_equal(ours[0], reference[0])
+  chex.assert_trees_all_equal(ours[1].mu, reference[1].mu)
 
 
 @pytest.mark.parametrize("moment_format", [None, "8bit"])

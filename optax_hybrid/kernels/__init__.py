@@ -2,13 +2,13 @@
 
 Every kernel follows one contract (:mod:`optax_hybrid.kernels.contract`:
 ``update_leaves(leaves, facts, s, step) -> results``), declares the rules it
-implements (``implements(rule)``), and is tested against
-:func:`reference.update_leaves`, which runs any rule. ``"xla"`` is the
-reference itself, one fused XLA loop per leaf. ``"native"`` is the compiled
-CPU kernel (:mod:`native_cpu`; Adam), one custom call for all CPU-resident
-leaves. ``"pallas"`` is the fused GPU kernel (:mod:`pallas_gpu`; every rule:
-its body is the reference's leaf step), one launch per 64 leaves, run in
-Pallas interpret mode off the GPU. ``"auto"`` picks the Pallas kernel on a
+implements (its ``RULES``, by rule name, and ``implements(rule)``), and is
+tested against :func:`reference.update_leaves`, which runs any rule.
+``"xla"`` is the reference itself, one fused XLA loop per leaf. ``"native"``
+is the compiled CPU kernel (:mod:`native_cpu`; Adam), one custom call for all
+CPU-resident leaves. ``"pallas"`` is the fused GPU kernel (:mod:`pallas_gpu`;
+the elementwise rules it lists, its body being the reference's leaf step),
+one launch per 64 leaves, run in Pallas interpret mode off the GPU. ``"auto"`` picks the Pallas kernel on a
 GPU, and on a CPU the native kernel for the fused ``tx.step`` where it is
 built, chosen per platform at lowering (see :func:`kernels_for`).
 

@@ -153,9 +153,13 @@ def _is_quantized(moment) -> bool:
   return isinstance(moment, quantized.QuantizedMoment)
 
 
+#: The rules the C++ loops compute, by :attr:`optax_hybrid.base.UpdateRule.name`: Adam's.
+RULES = frozenset({"adam"})
+
+
 def implements(rule: Any) -> bool:
   """The rule the C++ loops compute: Adam (decoupled or L2 decay), without Nesterov momentum or ``eps_root``."""
-  return rule.name == "adam" and not rule.nesterov and not rule.uses_eps_root
+  return rule.name in RULES and not rule.nesterov and not rule.uses_eps_root
 
 
 def implements_master(master: Any) -> bool:

@@ -10,8 +10,9 @@ needed once, and writes the state and the new parameter (or the update) once,
 in place through ``input_output_aliases``: 28 bytes per fp32 parameter for
 Adam, the floor. The arithmetic is :func:`reference.leaf_update` itself,
 applied to a block, so the kernel cannot drift from the rule it is tested
-against, and it implements every rule (:func:`implements`): each is
-elementwise.
+against. It runs the elementwise rules it lists (:data:`RULES`,
+:func:`implements`): the built-in ones; another rule's leaves take the
+reference, in the same step.
 
 8-bit block-wise state (:mod:`optax_hybrid.kernels.quantized`) goes through
 the same launch. Such a leaf is seen as rows of one quantization block each
@@ -76,10 +77,17 @@ _MAX_ELEMENTS = 2**31 - 1 - BLOCK_SIZE
 _GPU_CUSTOM_CALL = "__gpu$xla.gpu.triton"
 
 
+#: The rules the kernel runs, by :attr:`optax_hybrid.base.UpdateRule.name`. Its body is the reference's leaf
+#: step on a tile, which is right for a rule whose every value steps from that value's gradient, state and
+#: param alone (each of these); a rule that reads across values (a factored second moment: a row's and a
+#: column's) would be wrong on a tile, so a rule is run here only once it is listed, its leaves taking the
+#: reference until then.
+RULES = frozenset({"adam", "lion", "adagrad", "sgd"})
+
+
 def implements(rule: Any) -> bool:
-  """Every rule: the kernel's body is the reference's leaf step, and every rule is elementwise."""
-  del rule
-  return True
+  """The rules in :data:`RULES` (elementwise rules, the tile's step being the reference's leaf step)."""
+  return rule.name in RULES
 
 
 def _is_quantized(leaf: contract.LeafOperands) -> bool:
@@ -380,7 +388,8 @@ def update_leaves(
 
   Leaves the kernel does not take (complex, float64, empty, 8-bit with a
   partial last block: :func:`supports`) go to the reference rule in the same
-  step. On CUDA and ROCm the kernel is compiled with Triton; elsewhere it runs
+  step, and so do all the leaves of a rule the kernel does not list
+  (:data:`RULES`). On CUDA and ROCm the kernel is compiled with Triton; elsewhere it runs
   in Pallas interpret mode. ``block_size`` (elements of a float-state leaf)
   and ``rows_per_program`` (256-value blocks of an 8-bit leaf) set what one
   program updates.
