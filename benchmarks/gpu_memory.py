@@ -206,7 +206,7 @@ def placed(tree):
 def abstract_state(tx, params):
   """The optimizer state of abstract params: hybrid_adamw's init takes them directly (keeping memory kinds and
   shardings); Optax's state is placed like the params (its params-shaped fields) or beside the first of them."""
-  if isinstance(tx, optax_hybrid.HybridAdamW):
+  if isinstance(tx, optax_hybrid.HybridOptimizer):
     return tx.init(params)
   state = jax.eval_shape(tx.init, params)
   first = jax.tree.leaves(params)[0].sharding
@@ -221,7 +221,7 @@ def train_step_of(tx, loss):
   """``(params, state, *batch) -> (params, state, loss)``: hybrid_adamw's fused step, or Optax's update + apply."""
   def train_step(params, state, *batch):
     value, grads = jax.value_and_grad(loss)(params, *batch)
-    if isinstance(tx, optax_hybrid.HybridAdamW):
+    if isinstance(tx, optax_hybrid.HybridOptimizer):
       params, state = tx.step(params, state, grads)
     else:
       updates, state = tx.update(grads, state, params)
@@ -324,7 +324,7 @@ def step_figures(setup: str, scale: float, target: str, inputs: str) -> dict:
     params = placed({k: jax.ShapeDtypeStruct(s, dtype) for k, s in shapes.items()})
     grads = placed({k: jax.ShapeDtypeStruct(s, dtype) for k, s in shapes.items()})
     state = abstract_state(tx, params)
-  if isinstance(tx, optax_hybrid.HybridAdamW):
+  if isinstance(tx, optax_hybrid.HybridOptimizer):
     fn = tx.step
   else:
     fn = lambda p, s, g: (lambda u, s: (optax.apply_updates(p, u), s))(*tx.update(g, s, p))

@@ -9,8 +9,9 @@ Public API:
   storage and kernel options (:mod:`optax_hybrid.options`); a new rule
   implements the contract of :mod:`optax_hybrid.base` (``UpdateRule``).
 * :func:`scale_by_hybrid_adam`: Adam's direction without the learning rate.
-* :class:`HybridOptimizer` (alias :class:`HybridAdamW`): what they return;
-  adds the fused ``step(params, state, grads)``.
+* :class:`HybridOptimizer`: what they return; adds the fused
+  ``step(params, state, grads)``. ``HybridAdamW``, its name before every rule
+  shared the engine, is a deprecated alias (a ``DeprecationWarning``).
 * :class:`HybridAdamState` and one state type per rule (``count``, the rule's
   fields, ``skipped``, ``master``, ``plan``).
 * :func:`moment_values`: the rule's state as float trees shaped like the params
@@ -46,6 +47,8 @@ Public API:
   JAX's CUDA plugin: ``gpu_compile.install_cuda_plugin()``).
 """
 
+import warnings as _warnings
+
 from optax_hybrid import base, checkpoint, disk, masters, options, plan, recipe, report, rules, tiers
 from optax_hybrid.placement import (
     STATE_MEMORY_KINDS,
@@ -62,14 +65,13 @@ from optax_hybrid.rules.adagrad import HybridAdagradState, hybrid_adagrad
 from optax_hybrid.rules.adamw import HybridAdamState, hybrid_adamw, scale_by_hybrid_adam
 from optax_hybrid.rules.lion import HybridLionState, hybrid_lion
 from optax_hybrid.rules.sgd import HybridSgdState, hybrid_sgd
-from optax_hybrid.transform import HybridAdamW, HybridOptimizer, StepInParts, moment_values
+from optax_hybrid.transform import HybridOptimizer, StepInParts, moment_values
 
 __version__ = "0.1.0"
 
 __all__ = [
     "HybridAdagradState",
     "HybridAdamState",
-    "HybridAdamW",
     "HybridLionState",
     "HybridOptimizer",
     "HybridSgdState",
@@ -105,3 +107,12 @@ __all__ = [
     "step_in_backward",
     "warmup_cosine_schedule",
 ]
+
+
+def __getattr__(name: str):
+  # HybridAdamW: the name hybrid_adamw's result had before every rule shared the engine (0.1.0's docs promise it).
+  if name == "HybridAdamW":
+    _warnings.warn("optax_hybrid.HybridAdamW is deprecated: use optax_hybrid.HybridOptimizer, what every hybrid_* "
+                  "optimizer returns (HybridAdamW is that class).", DeprecationWarning, stacklevel=2)
+    return HybridOptimizer
+  raise AttributeError(f"module 'optax_hybrid' has no attribute {name!r}")

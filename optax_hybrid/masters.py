@@ -106,13 +106,6 @@ class MasterFormat:
     """The dtype of the state's ``master`` entry for a param of ``param_dtype`` (None: nothing kept)."""
     raise NotImplementedError
 
-  def bytes_per_weight(self, param_dtype: Any) -> int:
-    """Bytes kept per weight of a ``param_dtype`` param (0 where it keeps nothing or does not apply)."""
-    if not self.applies_to(param_dtype):
-      return 0
-    stored = self.stored_dtype(param_dtype)
-    return 0 if stored is None else np.dtype(stored).itemsize
-
   @property
   def update_dtype(self) -> np.dtype:
     """The dtype of ``update``'s result for a mastered leaf: ``new_param - param``, exactly."""
@@ -261,6 +254,11 @@ def resolve(master: Any, master_dtype: Any, owner: str) -> MasterFormat | None:
   dtype = np.dtype(jnp.dtype(master_dtype))
   if not jnp.issubdtype(dtype, jnp.floating):
     raise ValueError(f"{owner}: `master_dtype` must be a real floating dtype such as jnp.float32, got {dtype}.")
+  return _copy_in(dtype)
+
+
+def _copy_in(dtype: np.dtype) -> MasterFormat:
+  """The format that keeps a copy in ``dtype``: the ``"float32"`` one for float32 (``master_dtype=jnp.float32``)."""
   return FORMATS[FLOAT32] if dtype == np.float32 else DtypeMaster(name=str(dtype), dtype=dtype)
 
 
@@ -268,9 +266,7 @@ def kept_format(kept_dtype: Any, param_dtype: Any) -> MasterFormat:
   """The format that kept values of ``kept_dtype`` for a ``param_dtype`` param: a Kahan term in the param's
   dtype, else a copy in a wider one (how a checkpoint's master entries are read)."""
   kept_dtype = np.dtype(kept_dtype)
-  if kept_dtype == np.dtype(param_dtype):
-    return FORMATS[KAHAN]
-  return FORMATS[FLOAT32] if kept_dtype == np.float32 else DtypeMaster(name=str(kept_dtype), dtype=kept_dtype)
+  return FORMATS[KAHAN] if kept_dtype == np.dtype(param_dtype) else _copy_in(kept_dtype)
 
 
 # ---------------------------------------------------------------------------

@@ -179,7 +179,8 @@ class Plan:
     mesh: the mesh for ``"shard_map"``, else None.
     fields: the rule's fields (:class:`optax_hybrid.base.Field`): the arrays
       each leaf keeps (``mu`` and ``nu`` for Adam), in the state's order.
-    owner: the optimizer's public function, for messages (``"hybrid_adamw"``).
+    owner: the optimizer's public function, for messages (``"hybrid_adamw"``;
+      ``make_plan`` records the rule's: the default names only the package).
     static_zeros: the rule's hyperparameters that were a concrete zero at
       ``init`` and are left out of every step (a zero weight decay, Adam's
       zero ``eps_root``): :attr:`optax_hybrid.base.UpdateRule.zero_skippable`.
@@ -201,7 +202,7 @@ class Plan:
   split: str = "direct"
   mesh: Any = None
   fields: tuple = ()
-  owner: str = "hybrid_adamw"
+  owner: str = "optax_hybrid"
   static_zeros: frozenset = frozenset()
 
   field_names: tuple = dataclasses.field(init=False, repr=False)

@@ -138,10 +138,6 @@ class StepInParts(NamedTuple):
   finish: Callable
 
 
-#: The name ``hybrid_adamw``'s result had before every rule shared the engine.
-HybridAdamW = HybridOptimizer
-
-
 def optimizer(rule: UpdateRule, learning_rate: Any, *, mask: Any = None, **options: Any) -> HybridOptimizer:
   """The optimizer that runs ``rule`` with the engine's ``options``: how each ``hybrid_*`` function is built.
 
@@ -550,4 +546,4 @@ def moment_values(opt_state: Any) -> tuple[Any, ...]:
   return tuple(out)
 
 
-__all__ = ["HybridAdamW", "HybridOptimizer", "StepInParts", "building_block", "moment_values", "optimizer", "params_shaped_fields"]
+__all__ = ["HybridOptimizer", "StepInParts", "building_block", "moment_values", "optimizer", "params_shaped_fields"]

@@ -162,6 +162,16 @@ class VariantsTest(chex.TestCase):
     chex.assert_trees_all_equal_shapes_and_dtypes(state, tx.init(params))
 
 
+def test_the_old_name_hybrid_adamw_is_a_deprecated_alias():
+  # docs/optimizer.md promises HybridAdamW as an alias of HybridOptimizer; it warns, and other names still fail.
+  with pytest.warns(DeprecationWarning, match="use optax_hybrid.HybridOptimizer"):
+    assert optax_hybrid.HybridAdamW is optax_hybrid.HybridOptimizer
+  assert isinstance(optax_hybrid.hybrid_lion(1e-3), optax_hybrid.HybridOptimizer)
+  assert "HybridAdamW" not in optax_hybrid.__all__
+  with pytest.raises(AttributeError, match="'HybridAdamX'"):
+    optax_hybrid.HybridAdamX  # noqa: B018
+
+
 def test_chain_with_clipping_matches_optax():
   params, grads = make_params(), make_grads(10)
   ours = optax.chain(optax.clip_by_global_norm(0.5), optax_hybrid.hybrid_adamw(1e-2, weight_decay=0.1))

@@ -159,8 +159,8 @@ def test_through_optax_wrappers_and_the_recipe(name):
   assert set(jax.tree.leaves(got)) <= set(SPECS.values()) | {OTHER, "masked"}
   same = optax.tree_utils.tree_map_params(tx, lambda v: v, state, is_leaf=is_masked)
   assert jax.tree.structure(same) == jax.tree.structure(state)
-  for part in jax.tree.leaves(tx, is_leaf=lambda x: isinstance(x, optax_hybrid.HybridAdamW)):
-    if isinstance(part, optax_hybrid.HybridAdamW):
+  for part in jax.tree.leaves(tx, is_leaf=lambda x: isinstance(x, optax_hybrid.HybridOptimizer)):
+    if isinstance(part, optax_hybrid.HybridOptimizer):
       part.close()
 
 
