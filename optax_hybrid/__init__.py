@@ -57,7 +57,8 @@ from optax_hybrid.placement import (
     commit,
     host_arithmetic_outside_host_compute,
 )
-from optax_hybrid.recipe import clip_by_global_norm, global_norm, last_learning_rate, standard_optimizer
+from optax_hybrid.placed import clip_by_global_norm, global_norm
+from optax_hybrid.recipe import last_learning_rate, standard_optimizer
 from optax_hybrid.report import MemoryReport, memory_report
 from optax_hybrid.schedules import warmup_cosine_schedule
 from optax_hybrid.streaming import scan_layers, step_in_backward

@@ -18,6 +18,9 @@ tier, memory kind or mesh (each leaf takes ``like``'s sharding), with or
 without master weights. A master that ``like`` has and the checkpoint lacks is
 built from the restored params (``masters_from``), as ``init`` builds it; one
 the checkpoint has and ``like`` lacks is dropped.
+A step that cannot be read raises :class:`UnreadableCheckpointError`, or is
+skipped (``restore(..., skip_unreadable=True)``): that recovery is
+:mod:`optax_hybrid.checkpoint_recovery`'s.
 ``orbax-checkpoint`` is an optional dependency
 (``pip install "optax-hybrid[checkpoint]"``).
 
@@ -42,15 +45,15 @@ import logging
 import math
 import os
 import threading
-import warnings
 import weakref
 from typing import Any, Callable
 
 import jax
 import numpy as np
 
-from optax_hybrid import _compat, disk, masters as masters_lib, placement
+from optax_hybrid import _compat, checkpoint_recovery as recovery, disk, masters as masters_lib, placement
 from optax_hybrid.base import STATE_TYPES, is_state as _is_state
+from optax_hybrid.checkpoint_recovery import UnreadableCheckpointError
 from optax_hybrid.plan import Plan
 from optax_hybrid.transform import params_shaped_fields
 
@@ -277,35 +280,6 @@ def _key_name(key: Any) -> str:
 
 def _names(key_path: Any) -> tuple:
   return tuple(_key_name(k) for k in key_path)
-
-
-class UnreadableCheckpointError(Exception):
-  """A checkpoint step that cannot be read: its metadata, or one of its arrays.
-
-  Its message's first line names the step, the array and the reason.
-
-  Attributes:
-    step: the step.
-    array: where the unreadable array is in ``like`` (e.g. ``"['params']['w']"``);
-      None when the step's metadata cannot be read (or, with several
-      processes, when the array was not singled out).
-    reason: why, as the storage layer said it (the innermost error's first line).
-  """
-
-  def __init__(self, message: str, *, step: int, array: str | None, reason: str):
-    super().__init__(message)
-    self.step, self.array, self.reason = step, array, reason
-
-
-def _innermost(error: BaseException) -> str:
-  """The first line of the error that started ``error``'s chain, with its type: the storage layer's reason."""
-  for _ in range(32):  # chains are short; a cycle must not loop forever
-    below = error.__cause__ or (None if error.__suppress_context__ else error.__context__)
-    if below is None:
-      break
-    error = below
-  lines = str(error).strip().splitlines()
-  return f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
 
 
 class _Saved:
@@ -566,55 +540,8 @@ def restore(checkpoint_manager, like: Any, step: int | None = None, *,
         f"no checkpoint for step {step} in {checkpoint_manager.directory}; complete steps: {sorted(steps)}")
   if not skip_unreadable:
     return _restore_step(checkpoint_manager, like, steps[0] if step is None else int(step), masters_from)
-  return _restore_newest_readable(checkpoint_manager, like, steps, masters_from)
-
-
-def _restore_newest_readable(checkpoint_manager, like: Any, steps: list, masters_from: Any) -> Any:
-  """The newest of ``steps`` (newest first) that reads completely; newer unreadable ones moved aside and reported."""
-  unreadable = []
-  for step in steps:
-    try:
-      restored = _restore_step(checkpoint_manager, like, step, masters_from)
-    except UnreadableCheckpointError as e:
-      unreadable.append(e)
-      continue
-    for e in unreadable:
-      moved_to = _move_aside(checkpoint_manager, e.step)
-      warnings.warn(f"checkpoint.restore: skipped step {e.step}, restored step {step}: "
-                    f"{str(e).splitlines()[0]} Step {e.step} was moved to {moved_to}.", RuntimeWarning, stacklevel=3)
-    if unreadable:
-      checkpoint_manager.reload()  # its list of steps, without those moved
-    return restored
-  newest = unreadable[0]
-  raise UnreadableCheckpointError(
-      "\n".join([str(newest).splitlines()[0], "No step reads completely; the others:"] +
-                 [f"  {str(e).splitlines()[0]}" for e in unreadable[1:]]),
-      step=newest.step, array=newest.array, reason=newest.reason) from newest
-
-
-def _move_aside(checkpoint_manager, step: int) -> str:
-  """Moves checkpoint ``step`` to ``<directory>/unreadable/<step>`` (``<step>.<n>`` if taken); returns where."""
-  directory = checkpoint_manager.directory
-  aside = directory / "unreadable"  # not a step name: the manager no longer lists it
-  aside.mkdir(parents=True, exist_ok=True)
-  moved_to, n = aside / str(step), 0
-  while moved_to.exists():
-    n += 1
-    moved_to = aside / f"{step}.{n}"
-  (directory / str(step)).rename(moved_to)
-  return os.fspath(moved_to)
-
-
-def _unreadable(checkpoint_manager, step: int, what: str, reason: str, array: str | None = None
-                ) -> UnreadableCheckpointError:
-  """The error for an unreadable ``step``: the step, ``what`` failed and why on its first line, then the way on."""
-  older = sorted(s for s in checkpoint_manager.all_steps() if s < step)
-  way_on = (f"Older steps: {older}. To restore the newest step that reads completely instead, pass "
-            "skip_unreadable=True (unreadable steps are then moved to "
-            f"{checkpoint_manager.directory / 'unreadable'} and reported)." if older else "No older step to restore.")
-  return UnreadableCheckpointError(
-      f"checkpoint step {step} in {checkpoint_manager.directory} is unreadable: {what} cannot be read: {reason}\n"
-      f"{way_on}", step=step, array=array, reason=reason)
+  return recovery.restore_newest_readable(
+      checkpoint_manager, steps, lambda step: _restore_step(checkpoint_manager, like, step, masters_from))
 
 
 def _restore_step(checkpoint_manager, like: Any, step: int, masters_from: Any) -> Any:
@@ -623,7 +550,7 @@ def _restore_step(checkpoint_manager, like: Any, step: int, masters_from: Any) -
   try:
     saved = _Saved(checkpoint_manager, step)
   except Exception as e:  # pylint: disable=broad-exception-caught
-    raise _unreadable(checkpoint_manager, step, "its metadata", _innermost(e)) from e
+    raise recovery.unreadable(checkpoint_manager, step, "its metadata", recovery.innermost(e)) from e
   like = abstract_like(like)
   entries, treedef = jax.tree_util.tree_flatten_with_path(like, is_leaf=_is_state)
   states = {}
@@ -663,9 +590,10 @@ def _restore_step(checkpoint_manager, like: Any, step: int, masters_from: Any) -
   try:
     restored = checkpoint_manager.restore(step, args=ocp.args.StandardRestore(target))
   except Exception as e:  # pylint: disable=broad-exception-caught
-    array, reason = _first_unreadable(checkpoint_manager, step, target, e)
+    read = lambda probe: checkpoint_manager.restore(step, args=ocp.args.StandardRestore(probe))
+    array, reason = recovery.first_unreadable(read, target, e)
     what = "its arrays" if array is None else f"array {array}"
-    raise _unreadable(checkpoint_manager, step, what, reason, array) from e
+    raise recovery.unreadable(checkpoint_manager, step, what, reason, array) from e
   params = {}
   if missing:
     params = {jax.tree_util.keystr(path): x
@@ -710,34 +638,4 @@ def _check_like_fits(saved: _Saved, target: Any, step: int) -> None:
                      "restore into the tree that was saved.")
 
 
-def _first_unreadable(checkpoint_manager, step: int, target: Any, error: Exception) -> tuple[str | None, str]:
-  """The first array of ``target`` that fails to read on its own, as ``(its path, why)``.
-
-  Found by halving the set read (about log2(n) + 1 restores, each array read
-  about once), so it holds whatever the storage layer's messages say. With
-  several processes each would probe on its own while the others wait in
-  Orbax's barriers: the error is reported as it came, ``(None, why)``, as when
-  no single array fails alone.
-  """
-  if jax.process_count() > 1:
-    return None, _innermost(error)
-  ocp = _orbax()
-  leaves, treedef = jax.tree_util.tree_flatten_with_path(target)
-
-  def read_fails(indices: list) -> Exception | None:
-    chosen = set(indices)
-    probe = treedef.unflatten([x if i in chosen else None for i, (_, x) in enumerate(leaves)])
-    try:
-      checkpoint_manager.restore(step, args=ocp.args.StandardRestore(probe))
-    except Exception as e:  # pylint: disable=broad-exception-caught
-      return e
-    return None
-
-  candidates = list(range(len(leaves)))
-  while len(candidates) > 1:
-    half = candidates[:len(candidates) // 2]
-    candidates = half if read_fails(half) is not None else candidates[len(half):]
-  failed = read_fails(candidates) if candidates else None
-  if failed is None:
-    return None, _innermost(error)
-  return jax.tree_util.keystr(leaves[candidates[0]][0]), _innermost(failed)
+__all__ = ["UnreadableCheckpointError", "abstract_like", "manager", "restore", "save"]
