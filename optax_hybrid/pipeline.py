@@ -311,7 +311,7 @@ def _run_group(plans: Sequence[LeafPlan], leaves: Sequence[LeafIn], plan: Plan, 
     if where == "host":  # the param's sharding: its gradient and (if on the device) the param cross with it
       to = lambda x: jax.tree.map(lambda a: placement.to_host(a, lp.gather_to or lp.state_sharding,
                                                               one_device=lp.on_one_device), x)
-      seed = master is not None and not master.keeps  # a random format's seed: a replicated scalar
+      seed = master is not None and master.random  # a random format's operand is its seed: a replicated scalar
       operands.append(LeafOperands(to(leaf.grad), to(leaf.state), to(param),
                                    _compat.move(leaf.master, HOST) if seed else to(leaf.master)))
     elif lp.state_space == DEVICE:  # the state and (a device run's) param are on the device
@@ -408,8 +408,8 @@ def row_stepper(lp: LeafPlan, leaf: LeafIn, plan: Plan, rule: Any, s: Any, *, wr
       read, fetch_read = None, row_major(_compat.move(param_rows, DEVICE))
     else:
       fetch_read = None if read is None else fetch(read)
-    seed = None if master is None or kept else masters.seed_at(
-        leaf.master, jnp.asarray(start).astype(jnp.uint32) * jnp.uint32(row_size))
+    seed = masters.seed_at(leaf.master, jnp.asarray(start).astype(jnp.uint32) * jnp.uint32(row_size)) if (
+        master is not None and master.random) else None
     ops = LeafOperands(row_major(_compat.move(grad_rows, DEVICE)), fetch(state), fetch_read,
                        fetch(kept_master) if kept else seed)
     branches, operands = _device_branches(kernels, [lp], facts, step, plan, s, [ops])
