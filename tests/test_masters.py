@@ -11,6 +11,7 @@
   counts what each keeps.
 """
 
+import dataclasses
 import functools
 
 import jax
@@ -306,6 +307,57 @@ def test_every_rule_with_a_kahan_term_follows_its_float32_master(make):
     # (a bf16 param's binade spans 2x: 2**-17 of the largest magnitude).
     bound = 5 * 2**-17 * largest[key] + 1e-12
     np.testing.assert_array_less(np.abs(value - np.asarray(runs["float32"][1].master[key], np.float64)), bound)
+
+
+# ---------------------------------------------------------------------------
+# A new master format: a value in masters.FORMATS, nothing else
+# ---------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _Float32CopyThroughTheKernel(masters.MasterFormat):
+  """A float32 copy read and written through the master operands (not stepped as the param, as "float32" is)."""
+
+  name: str = "copy_through_the_kernel"
+  reads_param: bool = False
+
+  def stored_dtype(self, param_dtype):
+    return np.dtype(np.float32)
+
+  def initial(self, param):
+    return param
+
+  def from_value(self, value, param):
+    return np.asarray(value, np.float32)
+
+  def value(self, param, operand):
+    return operand.astype(jnp.float32)
+
+  def write(self, value, param_dtype, operand, positions):
+    return value.astype(param_dtype), value.astype(jnp.float32)
+
+
+@pytest.mark.parametrize("options", [dict(kernel="xla"), dict(kernel="pallas"), dict(kernel="native"),
+                                     dict(tiers="host_state", kernel="xla"), dict(tiers="host", kernel="native")],
+                         ids=["xla", "pallas", "native", "host_state", "host"])
+def test_a_new_master_format_is_one_value_in_masters(options, monkeypatch):
+  # docs/architecture.md: a new master format is one MasterFormat value in masters.py, registered in FORMATS; the
+  # engine (plan, pipeline, every kernel and tier) asks it what it needs. This one follows "float32"'s weights.
+  monkeypatch.setitem(masters.FORMATS, "copy_through_the_kernel", _Float32CopyThroughTheKernel())
+  params = {k: v for k, v in _params().items() if k != "h"}
+  runs = {}
+  for master in ("float32", "copy_through_the_kernel"):
+    tx = optax_hybrid.hybrid_adamw(1e-3, weight_decay=0.1, master=master, **options)
+    p, s = params, tx.init(params)
+    assert s.plan.leaves[0].master == masters.FORMATS[master] and s.master["w"].dtype == jnp.float32
+    step = jax.jit(tx.step)
+    for k in range(3):
+      p, s = step(p, s, {key: g for key, g in _grads(k).items() if key != "h"})
+    runs[master] = (_numpy(p), _numpy(s.master))
+  (p_new, m_new), (p_f32, m_f32) = runs["copy_through_the_kernel"], runs["float32"]
+  for key in ("w", "b"):
+    np.testing.assert_allclose(m_new[key], m_f32[key], rtol=1e-6, atol=1e-9, err_msg=key)
+    np.testing.assert_array_equal(p_new[key], np.asarray(m_new[key]).astype(p_new[key].dtype), err_msg=key)
 
 
 # ---------------------------------------------------------------------------

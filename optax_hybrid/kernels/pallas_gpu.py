@@ -192,8 +192,9 @@ def _layout(leaves, facts, scalars, step, block_size, rows_per_program) -> _Layo
       master = len(operands)
       operands.append(leaf.master)
     slot = _Slots(grad, state, param, len(out_shapes), master)
-    # The new param overwrites the old one; an update may overwrite its gradient.
-    if step.write_params:
+    # The new param overwrites the old one (where it is read: a master format may stand in for it); an update,
+    # or a new param not read, may overwrite its gradient.
+    if step.write_params and param is not None:
       aliases[param] = slot.first_out
     elif np.dtype(leaf.grad.dtype) == np.dtype(fact.out_dtype):
       aliases[grad] = slot.first_out
