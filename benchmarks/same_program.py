@@ -5,7 +5,8 @@
 One line per combination (tier, kernel, dtype, path, moment format, lowered
 for, master, rule): the SHA-256 of the lowered program's text with its source
 locations removed (they name files and lines, which a refactoring moves) and
-its line count. Equal hashes from two checkouts mean the same program, so the
+its line count (the module's name, the jitted function's, is left out too).
+Equal hashes from two checkouts mean the same program, so the
 same compile and step; run each checkout's own copy of this file or the same
 one. Locations are also left out of the Pallas kernels' Triton IR
 (``JAX_TRACEBACK_IN_LOCATIONS_LIMIT=0``), so the programs lowered for CUDA
@@ -126,7 +127,10 @@ def lowered_text(tier, kernel, dtype, path, moment_format, platform, master, rul
     fn, args = (tx.step if path == "step" else tx.update), (params, tx.init(params), params)
   with lowering_for(platform):
     lowered = jax.jit(fn).trace(*args).lower(lowering_platforms=(platform,))
-  return re.sub(r"#loc\d*|loc\([^)]*\)", "", lowered.as_text())
+  # The module's name is the jitted Python function's (jit_update_fn for a closure, jit_update for a method):
+  # a name a refactoring may change, as it moves source locations, with the program the same.
+  text = re.sub(r"^module @jit_\w+", "module @jit_fn", lowered.as_text(), count=1)
+  return re.sub(r"#loc\d*|loc\([^)]*\)", "", text)
 
 
 def main():
