@@ -55,7 +55,7 @@ class HybridOptimizer(optax.GradientTransformationExtraArgs):
       >>> step = jax.jit(tx.step, donate_argnums=(0, 1))
       >>> params, state = step(params, state, {"w": jnp.ones(3)})
     """
-    return self.update.fused_step(params, state, grads)
+    return _engine_of(self).step(params, state, grads)
 
   def begin_step(self, params: optax.Params, state: Any, by_rows: Any) -> "StepInParts":
     r"""A fused step taken in parts: the leaves marked in ``by_rows`` a few rows at a time, then the others.
@@ -101,7 +101,7 @@ class HybridOptimizer(optax.GradientTransformationExtraArgs):
       >>> bool(jnp.all(new_params["layers"] == expected["layers"]))
       True
     """
-    return self.update.begin_step(params, state, by_rows)
+    return _engine_of(self).begin_step(params, state, by_rows)
 
   def close(self) -> None:
     """Closes the disk tier's file, which frees its space. A no-op without disk leaves.
@@ -109,7 +109,16 @@ class HybridOptimizer(optax.GradientTransformationExtraArgs):
     Also done when the process ends. The state's disk leaves cannot be stepped
     afterwards.
     """
-    self.update.close()
+    _engine_of(self).close()
+
+
+def _engine_of(tx: HybridOptimizer) -> "_Engine":
+  """The engine whose bound ``update`` ``tx`` holds (:func:`optimizer` makes it so)."""
+  engine = getattr(tx.update, "__self__", None)
+  if not isinstance(engine, _Engine):
+    raise TypeError(f"HybridOptimizer: `update` must be the engine's (made by optax_hybrid.transform.optimizer), "
+                    f"got {tx.update!r}.")
+  return engine
 
 
 class StepInParts(NamedTuple):
@@ -330,12 +339,37 @@ def _make_state(rule: UpdateRule, **values: Any) -> Any:
 # ---------------------------------------------------------------------------
 
 
-def _engine(rule: UpdateRule, learning_rate: Any, o: Options) -> HybridOptimizer:
-  """The transform for a checked ``rule`` and ``o``: ``init`` makes the plan, ``update`` and ``step`` follow it."""
-  disk_store: list = []  # the DiskStore, made by the first init that places a leaf on disk
-  stepped_rules: dict = {}  # plan.static_zeros -> the rule without them, made by init
+class _Engine:
+  """The engine of one optimizer: a checked ``rule`` and options ``o``; ``init`` makes the plan, the steps follow it.
 
-  def checked_plan(state):
+  :class:`HybridOptimizer` holds its bound :meth:`init` and :meth:`update`
+  (Optax's pair) and calls its :meth:`step`, :meth:`begin_step` and
+  :meth:`close` through ``update``. What init makes and the steps share:
+  ``disk_store`` (the DiskStore, made by the first init that places a leaf on
+  disk) and ``stepped_rules`` (``plan.static_zeros`` -> the rule without them).
+  """
+
+  def __init__(self, rule: UpdateRule, learning_rate: Any, o: Options):
+    self.rule, self.learning_rate, self.options = rule, learning_rate, o
+    self.disk_store: list = []
+    self.stepped_rules: dict = {}
+
+  def init(self, params: Any) -> Any:
+    return _init(params, self.rule, self.options, self.disk_store, self.stepped_rules)
+
+  def update(self, updates: Any, state: Any, params: Any = None, **extra_args: Any) -> tuple[Any, Any]:
+    del extra_args
+    return self._step(updates, state, params, write_params=False)
+
+  def step(self, params: Any, state: Any, grads: Any) -> tuple[Any, Any]:
+    return self._step(grads, state, params, write_params=True)
+
+  def close(self) -> None:
+    for store in self.disk_store:
+      store.close()
+
+  def _checked_plan(self, state: Any) -> Plan:
+    rule = self.rule
     if type(state) is not rule.state_type:
       raise TypeError(f"{rule.owner}: `state` must be the {rule.state_type.__name__} made by this optimizer's "
                       f"init, got {type(state).__name__}.")
@@ -345,18 +379,19 @@ def _engine(rule: UpdateRule, learning_rate: Any, o: Options) -> HybridOptimizer
                       "this optimizer's init.")
     return plan
 
-  def gather(grads, state, params, plan, write_params):
+  def _gather(self, grads, state, params, plan, write_params):
     return pipeline.gather(grads, state, params, plan, write_params=write_params,
-                           disk_closed=bool(disk_store) and disk_store[0].closed)
+                           disk_closed=bool(self.disk_store) and self.disk_store[0].closed)
 
-  def scalars(state, plan, step_ok):
+  def _scalars(self, state, plan, step_ok):
     """The rule that steps (the hyperparameters that were zero at init left out, made once) and its scalars."""
-    lr = learning_rate(state.count) if callable(learning_rate) else learning_rate
-    stepped = stepped_rules.get(plan.static_zeros) or stepped_rules.setdefault(
-        plan.static_zeros, rule.without(plan.static_zeros))
+    lr = self.learning_rate(state.count) if callable(self.learning_rate) else self.learning_rate
+    stepped = self.stepped_rules.get(plan.static_zeros) or self.stepped_rules.setdefault(
+        plan.static_zeros, self.rule.without(plan.static_zeros))
     return stepped, stepped.scalars(state.count, lr, step_ok)
 
-  def run(leaves, plan, stepped, s, count, write_params):
+  @staticmethod
+  def _run(leaves, plan, stepped, s, count, write_params):
     """load disk state -> each group where it runs -> gather ZeRO-1 updates -> store disk state."""
     on_disk = written = None
     if plan.on_disk:
@@ -368,24 +403,24 @@ def _engine(rule: UpdateRule, learning_rate: Any, o: Options) -> HybridOptimizer
       written = pipeline.store_disk_state(outs, on_disk)
     return outs, written
 
-  def step(grads, state, params, *, write_params):
-    plan = checked_plan(state)
-    treedef, leaves = gather(grads, state, params, plan, write_params)
-    step_ok = placement.all_finite([leaf.grad for leaf in leaves]) if o.execution.skip_nonfinite else None
-    stepped, s = scalars(state, plan, step_ok)
-    outs, written = run(leaves, plan, stepped, s, state.count, write_params)
+  def _step(self, grads, state, params, *, write_params):
+    plan = self._checked_plan(state)
+    treedef, leaves = self._gather(grads, state, params, plan, write_params)
+    step_ok = placement.all_finite([leaf.grad for leaf in leaves]) if self.options.execution.skip_nonfinite else None
+    stepped, s = self._scalars(state, plan, step_ok)
+    outs, written = self._run(leaves, plan, stepped, s, state.count, write_params)
     return treedef.unflatten([out.first for out in outs]), _next_state(state, outs, treedef, step_ok, written)
 
-  def begin_step(params, state, by_rows):
-    plan = checked_plan(state)
-    if o.execution.skip_nonfinite:
-      raise ValueError(f"{rule.owner}: skip_nonfinite=True cannot skip a step taken in parts (the optimizer in "
-                       "the backward pass): a layer is stepped before the gradients of the layers under it exist. "
-                       "Build the optimizer with skip_nonfinite=False.")
+  def begin_step(self, params: Any, state: Any, by_rows: Any) -> "StepInParts":
+    plan = self._checked_plan(state)
+    if self.options.execution.skip_nonfinite:
+      raise ValueError(f"{self.rule.owner}: skip_nonfinite=True cannot skip a step taken in parts (the optimizer "
+                       "in the backward pass): a layer is stepped before the gradients of the layers under it "
+                       "exist. Build the optimizer with skip_nonfinite=False.")
     rows = _rows_stepped(by_rows, params, plan)
     shaped = lambda tree: jax.tree.map(lambda p: jax.ShapeDtypeStruct(np.shape(p), jnp.asarray(p).dtype), tree)
-    treedef, leaves = gather(shaped(params), state, params, plan, True)
-    stepped, s = scalars(state, plan, None)
+    treedef, leaves = self._gather(shaped(params), state, params, plan, True)
+    stepped, s = self._scalars(state, plan, None)
     steppers = [pipeline.row_stepper(plan.leaves[i], leaves[i], plan, stepped, s, write_params=True, fused=True)
                 for i in rows]
 
@@ -397,31 +432,21 @@ def _engine(rule: UpdateRule, learning_rate: Any, o: Options) -> HybridOptimizer
       grad_leaves = treedef.flatten_up_to(grads)
       for i in rows:  # not read: typed like the param so that gather's checks hold
         grad_leaves[i] = jax.ShapeDtypeStruct(np.shape(grad_leaves[i]), leaves[i].grad.dtype)
-      _, now = gather(treedef.unflatten(grad_leaves), state, params, plan, True)
+      _, now = self._gather(treedef.unflatten(grad_leaves), state, params, plan, True)
       others = [i for i in range(len(leaves)) if i not in rows]
       sub_plan = dataclasses.replace(plan, leaves=tuple(plan.leaves[i] for i in others))
-      sub_outs, written = run([now[i] for i in others], sub_plan, stepped, s, state.count, True)
+      sub_outs, written = self._run([now[i] for i in others], sub_plan, stepped, s, state.count, True)
       outs = dict(zip(rows, buffers)) | dict(zip(others, sub_outs))
       outs = [outs[i] for i in range(len(leaves))]
       return treedef.unflatten([out.first for out in outs]), _next_state(state, outs, treedef, None, written)
 
     return StepInParts([b for b, _ in steppers], step_rows, finish)
 
-  def update_fn(updates, state, params=None, **extra_args):
-    del extra_args
-    return step(updates, state, params, write_params=False)
 
-  def fused_step(params, state, grads):
-    return step(grads, state, params, write_params=True)
-
-  def close():
-    for store in disk_store:
-      store.close()
-
-  update_fn.fused_step = fused_step
-  update_fn.begin_step = begin_step
-  update_fn.close = close
-  return HybridOptimizer(lambda params: _init(params, rule, o, disk_store, stepped_rules), update_fn)
+def _engine(rule: UpdateRule, learning_rate: Any, o: Options) -> HybridOptimizer:
+  """The transform for a checked ``rule`` and ``o``: an :class:`_Engine`'s ``init`` and ``update``."""
+  engine = _Engine(rule, learning_rate, o)
+  return HybridOptimizer(engine.init, engine.update)
 
 
 def _rows_stepped(by_rows: Any, params: Any, plan: Plan) -> list[int]:
