@@ -210,8 +210,7 @@ def store_disk_state(outs: list[LeafOut], stored: list) -> jax.Array | None:
   return disk.store_in_step(files, values)
 
 
-def run_groups(leaves: list[LeafIn], plan: Plan, rule: Any, s: Any, *, write_params: bool,
-               fused: bool) -> list[LeafOut]:
+def run_groups(leaves: list[LeafIn], plan: Plan, rule: Any, s: Any, *, write_params: bool) -> list[LeafOut]:
   """Runs every group of leaves (:attr:`LeafPlan.group`) where its plan says; results in leaf order.
 
   Groups run in the order of their first leaf. A streamed stage's transfers
@@ -246,7 +245,7 @@ def run_groups(leaves: list[LeafIn], plan: Plan, rule: Any, s: Any, *, write_par
       group_in = _after(group_in, previous, older, computed, outs)
     run = _run_in_row_slices if plan.leaves[idx[0]].slice_rows else _run_group
     for i, result in zip(idx, run([plan.leaves[i] for i in idx], group_in, plan, rule, s,
-                                  write_params=write_params, fused=fused)):
+                                  write_params=write_params)):
       computed[i] = result
   for i in list(computed):
     stored(i)
@@ -295,7 +294,7 @@ def _store(lp: LeafPlan, leaf: LeafIn, result: tuple) -> LeafOut:
 
 
 def _run_group(plans: Sequence[LeafPlan], leaves: Sequence[LeafIn], plan: Plan, rule: Any, s: Any, *,
-               write_params: bool, fused: bool) -> list[tuple]:
+               write_params: bool) -> list[tuple]:
   """One group: operands moved to where it runs, the kernel; ``(first, state, master)`` per leaf, where it ran.
 
   A mastered group's leaves (one master format: :attr:`LeafPlan.group`) are
@@ -321,7 +320,7 @@ def _run_group(plans: Sequence[LeafPlan], leaves: Sequence[LeafIn], plan: Plan, 
       operands.append(LeafOperands(_compat.move(leaf.grad, DEVICE), leaf.state if lp.on_disk else to(leaf.state),
                                    None if param is None else _compat.move(param, DEVICE), to(leaf.master)))
   facts, step = _facts(plans, leaves, write_params), step_of(rule, write_params=write_params, master=master)
-  kernels = kernels_for(plan.kernel, fused=fused, runs_on=where, split=plan.split, rule=rule)
+  kernels = kernels_for(plan.kernel, fused=write_params, runs_on=where, split=plan.split, rule=rule)
   if where == "host":
     compute = functools.partial(_compute, facts=facts, step=step)
     s = type(s)(*(None if x is None else _compat.move(x, HOST) for x in s))
@@ -348,7 +347,7 @@ def _device_branches(kernels: dict, plans: Sequence[LeafPlan], facts: Sequence[L
 
 
 def _run_in_row_slices(plans: Sequence[LeafPlan], leaves: Sequence[LeafIn], plan: Plan, rule: Any, s: Any, *,
-                       write_params: bool, fused: bool) -> list[tuple]:
+                       write_params: bool) -> list[tuple]:
   """A ``host_state`` leaf larger than a stage, ``slice_rows`` rows of its first axis at a time.
 
   A loop over the slices runs :func:`row_stepper`'s step on each slice of the
@@ -357,14 +356,14 @@ def _run_in_row_slices(plans: Sequence[LeafPlan], leaves: Sequence[LeafIn], plan
   ``[(first, state, master)]`` with the state and master already in host memory.
   """
   (lp,), (leaf,) = plans, leaves
-  buffers, step_rows = row_stepper(lp, leaf, plan, rule, s, write_params=write_params, fused=fused)
+  buffers, step_rows = row_stepper(lp, leaf, plan, rule, s, write_params=write_params)
   rows = lp.slice_rows
   trip = lambda k, b: step_rows(b, lax.dynamic_slice_in_dim(leaf.grad, k * rows, rows, axis=0), k * rows)
   return [tuple(lax.fori_loop(0, leaf.grad.shape[0] // rows, trip, buffers))]
 
 
-def row_stepper(lp: LeafPlan, leaf: LeafIn, plan: Plan, rule: Any, s: Any, *, write_params: bool,
-                fused: bool) -> tuple[LeafOut, Any]:
+def row_stepper(lp: LeafPlan, leaf: LeafIn, plan: Plan, rule: Any, s: Any, *,
+                write_params: bool) -> tuple[LeafOut, Any]:
   """Steps a leaf some rows of its first axis at a time, on the device, writing in place: ``(buffers, step_rows)``.
 
   ``buffers`` is the leaf's :class:`LeafOut` before any row is stepped: the
@@ -386,7 +385,7 @@ def row_stepper(lp: LeafPlan, leaf: LeafIn, plan: Plan, rule: Any, s: Any, *, wr
   """
   master = lp.master
   facts, step = _facts([lp], [leaf], write_params), step_of(rule, write_params=write_params, master=master)
-  kernels = kernels_for(plan.kernel, fused=fused, split=plan.split, rule=rule)
+  kernels = kernels_for(plan.kernel, fused=write_params, split=plan.split, rule=rule)
   shape = leaf.grad.shape
   row_size = int(np.prod(shape[1:])) % 2**32
   param = _param_read(lp, leaf, master, write_params)

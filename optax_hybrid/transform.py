@@ -396,7 +396,7 @@ class _Engine:
     on_disk = written = None
     if plan.on_disk:
       leaves, on_disk = pipeline.load_disk_state(leaves, plan, after=count)
-    outs = pipeline.run_groups(leaves, plan, stepped, s, write_params=write_params, fused=write_params)
+    outs = pipeline.run_groups(leaves, plan, stepped, s, write_params=write_params)
     if plan.zero1:
       outs = pipeline.gather_zero1(outs, plan)
     if plan.on_disk:
@@ -421,8 +421,7 @@ class _Engine:
     shaped = lambda tree: jax.tree.map(lambda p: jax.ShapeDtypeStruct(np.shape(p), jnp.asarray(p).dtype), tree)
     treedef, leaves = self._gather(shaped(params), state, params, plan, True)
     stepped, s = self._scalars(state, plan, None)
-    steppers = [pipeline.row_stepper(plan.leaves[i], leaves[i], plan, stepped, s, write_params=True, fused=True)
-                for i in rows]
+    steppers = [pipeline.row_stepper(plan.leaves[i], leaves[i], plan, stepped, s, write_params=True) for i in rows]
 
     def step_rows(buffers, grads, start, params=None):
       params = [None] * len(buffers) if params is None else params
