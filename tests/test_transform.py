@@ -172,6 +172,18 @@ def test_the_old_name_hybrid_adamw_is_a_deprecated_alias():
     optax_hybrid.HybridAdamX  # noqa: B018
 
 
+def test_a_hybrid_optimizer_steps_through_its_engine_and_refuses_another_update():
+  # HybridOptimizer's step, begin_step and close are its engine's (transform._Engine), found through its update.
+  tx = optax_hybrid.hybrid_sgd(1e-1)
+  assert tx.update.__self__.step.__qualname__ == "_Engine.step"
+  params = {"w": jnp.ones(3)}
+  new, _ = tx.step(params, tx.init(params), {"w": jnp.ones(3)})
+  np.testing.assert_allclose(new["w"], 0.9)
+  stranger = optax_hybrid.HybridOptimizer(tx.init, lambda updates, state, params=None: (updates, state))
+  with pytest.raises(TypeError, match="`update` must be the engine's"):
+    stranger.step(params, tx.init(params), params)
+
+
 def test_chain_with_clipping_matches_optax():
   params, grads = make_params(), make_grads(10)
   ours = optax.chain(optax.clip_by_global_norm(0.5), optax_hybrid.hybrid_adamw(1e-2, weight_decay=0.1))
