@@ -386,16 +386,22 @@ def assign_slices(leaves: Sequence[LeafPlan], shapes: Sequence[Sequence[int]],
   whole on the device. Its rows along the first axis cross instead, the
   largest number that divides the axis (every slice the same shape: one loop
   body) and holds at most ``budget`` bytes of state, at least one row. Only a
-  single-device leaf of two or more axes is cut: its 8-bit blocks lie along
-  the last axis, so a slice of rows is whole blocks.
+  leaf of two or more axes is cut (its 8-bit blocks lie along the last axis,
+  so a slice of rows is whole blocks), and a leaf split over a mesh only if
+  every device holds its first axis whole (each device then stages its
+  share of the rows; the budget counts that share).
   """
   out = list(leaves)
   for i, (leaf, shape) in enumerate(zip(leaves, shapes)):
-    if (leaf.tier != tiers_lib.HOST_STATE_TIER or leaf.state_sharding is not None or len(shape) < 2
-        or shape[0] < 2 or state_bytes(leaf, shape) <= budget):
+    sharding = leaf.state_sharding
+    if (leaf.tier != tiers_lib.HOST_STATE_TIER or len(shape) < 2 or shape[0] < 2
+        or tiers_lib.whole_leading_axes(sharding, len(shape)) < 1):
+      continue
+    share = lambda rows: tuple(sharding.shard_shape((rows, *shape[1:]))) if sharding else (rows, *shape[1:])
+    if state_bytes(leaf, share(shape[0])) <= budget:
       continue
     fits = [d for d in range(1, shape[0] + 1)
-            if shape[0] % d == 0 and state_bytes(leaf, (d, *shape[1:])) <= budget]
+            if shape[0] % d == 0 and state_bytes(leaf, share(d)) <= budget]
     out[i] = dataclasses.replace(leaf, slice_rows=max(fits, default=1))
   return out
 
