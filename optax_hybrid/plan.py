@@ -183,6 +183,9 @@ class Plan:
     static_zeros: the rule's hyperparameters that were a concrete zero at
       ``init`` and are left out of every step (a zero weight decay, Adam's
       zero ``eps_root``): :attr:`optax_hybrid.rules.UpdateRule.zero_skippable`.
+    layout: with ``state_layout="packed"``, where each leaf's state is in the
+      state's flat buffers (:class:`optax_hybrid.packing.Layout`, made by
+      ``init``); None: one array per leaf.
     field_names: the names of ``fields`` (derived, as the rest below).
     empty: ``{params-shaped attribute: indices of the leaves that keep an
       empty entry there}`` for every field, its ``_scales`` and ``master``
@@ -198,6 +201,7 @@ class Plan:
   fields: tuple = ()
   owner: str = "hybrid_adamw"
   static_zeros: frozenset = frozenset()
+  layout: Any = None
 
   field_names: tuple = dataclasses.field(init=False, repr=False)
   empty: dict = dataclasses.field(init=False, repr=False)
@@ -208,7 +212,7 @@ class Plan:
     # A jitted step hashes its arguments' tree structure on every call, and
     # the plan is part of it: hash once.
     object.__setattr__(self, "_key", (self.leaves, self.kernel, self.split, self.mesh, self.fields, self.owner,
-                                      self.static_zeros))
+                                      self.static_zeros, self.layout))
     object.__setattr__(self, "_hash", hash(self._key))
     # What every step reads, derived once.
     names = tuple(f.name for f in self.fields)
