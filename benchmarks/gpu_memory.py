@@ -190,7 +190,7 @@ def char_gpt_parts(cfg: Config):
     logits = (layer_norm(h, rest["ln_f"]) @ rest["embed"]["embedding"].T).astype(jnp.float32)
     return optax.softmax_cross_entropy_with_integer_labels(logits, batch[1]).mean()
 
-  return embed, lambda h, p, batch: block(h, p, cfg.heads), head
+  return embed, lambda h, p, rest, batch: block(h, p, cfg.heads), head
 
 
 def num_params(tree) -> int:
@@ -613,6 +613,32 @@ def host_bytes_by_field(params, state, gradient_buffer: bool) -> dict:
   return by_field
 
 
+def _probe_file() -> str | None:
+  folder = os.environ.get("GPU_MEMORY_HLO_DIR")
+  return os.path.join(folder, "probes.jsonl") if folder else None
+
+
+def kept_probe(args: list[str]) -> dict | None:
+  """A probe of an earlier run with the same arguments, kept beside the HLO (``GPU_MEMORY_HLO_DIR``)."""
+  path = _probe_file()
+  if path and os.path.exists(path):
+    with open(path) as f:
+      for line in f:
+        record = json.loads(line)
+        if record["args"] == args:
+          return record["figures"]
+  return None
+
+
+def keep_probe(args: list[str], figures: dict) -> dict:
+  """Keeps a probe's figures for a rerun (a long table survives an interruption)."""
+  path = _probe_file()
+  if path:
+    with open(path, "a") as f:
+      f.write(json.dumps(dict(args=args, figures=figures)) + "\n")
+  return figures
+
+
 def largest_within(setup: str, target: str, host_limit: float, probes: dict, first: int, second: int,
                    devices: int = 1) -> dict:
   """The deepest model whose step fits both limits (per GPU): predicted from two depths (memory grows linearly with
@@ -621,8 +647,8 @@ def largest_within(setup: str, target: str, host_limit: float, probes: dict, fir
 
   def probe(layers):
     if layers not in probes:
-      probes[layers] = in_subprocess(["--one-capacity", setup, "--layers", str(layers), "--target", target,
-                                      "--devices", str(devices)])
+      args = ["--one-capacity", setup, "--layers", str(layers), "--target", target, "--devices", str(devices)]
+      probes[layers] = kept_probe(args) or keep_probe(args, in_subprocess(args))
     return probes[layers]
 
   def fits(layers):
@@ -633,17 +659,47 @@ def largest_within(setup: str, target: str, host_limit: float, probes: dict, fir
   within = [first + (limit - a[key]) * (second - first) / (b[key] - a[key])
             for key, limit in (("device", device_limit), ("host", host_limit)) if b[key] > a[key]]
   depth = max(1, int(min(within)))
-  while not fits(depth) and depth > 1:  # the prediction was high: step down
-    depth -= 1
-  while fits(depth + 1):  # or low: step up
-    depth += 1
-  return dict(probe(depth), host_limit=host_limit, device_limit=device_limit, fits=fits(depth))
+  # The prediction brackets the answer within a few layers (XLA's plan is not exactly linear in depth):
+  # widen the bracket from it by doubling steps, then bisect.
+  step = 1
+  if fits(depth):
+    lo, hi = depth, depth + 1
+    while fits(hi):
+      lo, hi, step = hi, hi + step, step * 2
+  else:
+    lo, hi = max(1, depth - 1), depth
+    while lo > 1 and not fits(lo):
+      lo, hi, step = max(1, lo - step), lo, step * 2
+  while hi - lo > 1:
+    mid = (lo + hi) // 2
+    lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+  return dict(probe(lo), host_limit=host_limit, device_limit=device_limit, fits=fits(lo))
 
 
 def by_field(row: dict) -> str:
-  """Host bytes per weight: params / master / moments / gradient / the rest (the step's temporaries)."""
+  """Host bytes per weight: params / master / moments / gradient / the rest (the step's temporaries).
+
+  On several GPUs, a GPU's bytes per weight of its share of the model.
+  """
   parts = [row[k] for k in ("host_params", "host_master", "host_moments", "host_gradient")]
-  return " / ".join(f"{x / row['params']:.2f}" for x in (*parts, row["host"] - sum(parts)))
+  share = row["params"] / row.get("devices", 1)
+  return " / ".join(f"{x / share:.2f}" for x in (*parts, row["host"] - sum(parts)))
+
+
+def traffic(row: dict) -> dict:
+  """Per GPU per step, from the compiled program kept on disk: collective bytes and the estimated step time.
+
+  (``GPU_MEMORY_HLO_DIR`` keeps each probe's optimized HLO; without it, nothing.)
+  """
+  if not row.get("hlo_file") or not os.path.exists(row["hlo_file"]):
+    return {}
+  import gzip
+  from optax_hybrid import step_time
+  with gzip.open(row["hlo_file"], "rt") as f:
+    hlo = f.read()
+  estimate = step_time.estimate(hlo, step_time.H200_SXM)
+  return dict(collectives=gpu_compile.count_hlo(hlo).collective_bytes, seconds=estimate.seconds,
+              bound=estimate.lower_bound)
 
 
 GPUS_PER_NODE = 8
@@ -669,18 +725,27 @@ def capacity_table(args) -> list[dict]:
   print(f"\nThe largest Llama-style decoder (width 4096, 32 heads, SwiGLU 11008, vocab 32000, "
         f"{'batch 1 x 2048; ' if args.devices == 1 else ''}layers scanned) whose whole compiled train step fits "
         f"{where}, both used up to {LIMIT:.0%}; compile-time figures, jax {jax.__version__}:\n")
+  node = args.devices > 1
   print("| host memory | setup | layers | params | x optax.adamw bf16 + fp32 mu | device GB | host GB | "
-        "host B/weight | params / master / moments / gradient / other | bus in / out B/weight |")
-  print("|---|---|---:|---:|---:|---:|---:|---:|---|---:|")
+        "host B/weight | params / master / moments / gradient / other | bus in / out B/weight |"
+        + (" bus in / out GB | all-gather / reduce-scatter / all-reduce GB | est. step s (bound) |" if node else ""))
+  print("|---|---|---:|---:|---:|---:|---:|---:|---|---:|" + ("---:|---:|---:|" if node else ""))
   for memory in args.host_memories.split(","):
     mine = [r for r in rows if r["host_memory"] == memory]
     base = next((r for r in mine if r["setup"] == "optax.adamw bf16 + fp32 mu"), None)
     for r in mine:
       ratio = f"{r['params'] / base['params']:.2f}" if base else "-"
-      print(f"| {memory} | {r['setup']} | {r['layers']} | {r['params'] / 1e9:.2f} B | {ratio} | {r['device'] / GB:.1f} | "
-            f"{r['host'] / GB:.1f} | {r['host'] / r['params']:.2f} | {by_field(r)} | "
-            f"{r['to_device'] / r['params']:.2f} / "
-            f"{r['to_host'] / r['params']:.2f} |")
+      share = r["params"] / args.devices  # a GPU's weights
+      line = (f"| {memory} | {r['setup']} | {r['layers']} | {r['params'] / 1e9:.2f} B | {ratio} | "
+              f"{r['device'] / GB:.1f} | {r['host'] / GB:.1f} | {r['host'] / share:.2f} | {by_field(r)} | "
+              f"{r['to_device'] / share:.2f} / {r['to_host'] / share:.2f} |")
+      if node:
+        t = traffic(r)
+        c = t.get("collectives", {})
+        line += (f" {r['to_device'] / GB:.1f} / {r['to_host'] / GB:.1f} | "
+                 + " / ".join(f"{c.get(k, 0) / GB:.1f}" for k in ("all-gather", "reduce-scatter", "all-reduce"))
+                 + (f" | {t['seconds']:.2f} ({t['bound']:.2f}) |" if t else " | - |"))
+      print(line)
   return rows
 
 

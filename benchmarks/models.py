@@ -217,7 +217,7 @@ def llama_layer(cfg: LlamaConfig, x: jax.Array, p: dict, positions: jax.Array) -
 
 
 def llama_parts(cfg: LlamaConfig, activations: Any = None) -> tuple[Callable, Callable, Callable]:
-  """The decoder as ``optax_hybrid.step_in_backward`` takes it: ``embed(rest, batch)``, ``layer(x, p, batch)``,
+  """The decoder as ``optax_hybrid.step_in_backward`` takes it: ``embed(rest, batch)``, ``layer(x, p, rest, batch)``,
   ``head(rest, x, batch)`` (the mean cross-entropy); ``rest`` is the params without ``"layers"``.
 
   ``activations``: a sharding the activations between layers are constrained to (FSDP code splits them
@@ -225,7 +225,7 @@ def llama_parts(cfg: LlamaConfig, activations: Any = None) -> tuple[Callable, Ca
   """
   keep = (lambda x: x) if activations is None else (lambda x: jax.lax.with_sharding_constraint(x, activations))
   embed = lambda rest, batch: keep(rest["embed"][batch["inputs"]])
-  layer = lambda x, p, batch: keep(llama_layer(cfg, x, p, jnp.arange(batch["inputs"].shape[1])))
+  layer = lambda x, p, rest, batch: keep(llama_layer(cfg, x, p, jnp.arange(batch["inputs"].shape[1])))
   head = lambda rest, x, batch: _cross_entropy(rms_norm(x, rest["final_norm"]) @ rest["head"], batch["targets"])
   return embed, layer, head
 
@@ -233,14 +233,14 @@ def llama_parts(cfg: LlamaConfig, activations: Any = None) -> tuple[Callable, Ca
 def donation_ordered(step: Callable) -> Callable:
   """``optax_hybrid.step_in_backward``'s step as ``(params, state, *batch) -> (params, state, loss)``.
 
-  JAX pairs donated arguments with results of the same shape and dtype in
-  order: with the state first among the results, the donated bf16 params
-  would pair with same-shaped state (a Kahan term) and XLA would copy both.
-  One batch argument is passed as it is, several as a tuple.
+  The step returns its results in the donated arguments' order (JAX pairs
+  donated arguments with results of the same shape and dtype in order: with
+  the state first among the results, the donated bf16 params would pair with
+  same-shaped state, a Kahan term, and XLA would copy both). What is left
+  here: one batch argument is passed as it is, several as a tuple.
   """
   def train_step(params, state, *batch):
-    loss, params, state = step(params, state, batch[0] if len(batch) == 1 else batch)
-    return params, state, loss
+    return step(params, state, batch[0] if len(batch) == 1 else batch)
   return train_step
 
 
@@ -253,14 +253,14 @@ def llama_loss(cfg: LlamaConfig, params: dict, batch: dict, stream: Any = False,
   x = embed(params, batch)
   if stream == "device_put":  # the obvious route: each layer moved to the device inside a plain scan
     to_device = lambda p: jax.tree.map(lambda a: jax.device_put(a, jax.memory.Space.Device), p)
-    body = jax.checkpoint(lambda x, p: (layer(x, to_device(p), batch), None))
+    body = jax.checkpoint(lambda x, p: (layer(x, to_device(p), params, batch), None))
     x, _ = jax.lax.scan(body, x, params["layers"])
   elif stream:
     import optax_hybrid
-    x = optax_hybrid.scan_layers(lambda x, p: layer(x, p, batch), x, params["layers"],
+    x = optax_hybrid.scan_layers(layer, x, params["layers"], args=(params, batch),
                                  offload_carries=offload_carries)
   else:
-    body = jax.checkpoint(lambda x, p: (layer(x, p, batch), None))
+    body = jax.checkpoint(lambda x, p: (layer(x, p, params, batch), None))
     x, _ = jax.lax.scan(body, x, params["layers"])
   return head(params, x, batch)
 

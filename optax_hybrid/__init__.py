@@ -30,6 +30,8 @@ Public API:
 * :mod:`optax_hybrid.checkpoint`: Orbax save/restore that keeps memory kinds.
 * :func:`memory_report` / :class:`MemoryReport`: where training memory went,
   by tier and by memory (device, host, disk).
+* :func:`clip_by_global_norm` / :func:`global_norm`: Optax's, for gradients
+  in any memory kind (host memory included), to chain in front of an optimizer.
 * :func:`standard_optimizer`: clipping, AdamW with warmup-cosine,
   accumulation and parameter groups in one call; :func:`last_learning_rate`
   reads the rate of the latest update from its state.
@@ -51,7 +53,7 @@ from optax_hybrid.placement import (
     commit,
     host_arithmetic_outside_host_compute,
 )
-from optax_hybrid.recipe import last_learning_rate, standard_optimizer
+from optax_hybrid.recipe import clip_by_global_norm, global_norm, last_learning_rate, standard_optimizer
 from optax_hybrid.report import MemoryReport, memory_report
 from optax_hybrid.schedules import warmup_cosine_schedule
 from optax_hybrid.streaming import scan_layers, step_in_backward
@@ -75,8 +77,10 @@ __all__ = [
     "StepInParts",
     "apply_updates",
     "checkpoint",
+    "clip_by_global_norm",
     "commit",
     "disk",
+    "global_norm",
     "last_learning_rate",
     "masters",
     "memory_report",

@@ -70,6 +70,9 @@ __all__ = [
     "TARGETS",
     "array_bytes",
     "array_dims",
+    "collective_of",
+    "collective_payload",
+    "COLLECTIVE_OPS",
     "compile_for_gpu",
     "compile_lowered",
     "count_hlo",
@@ -326,6 +329,10 @@ BOOKKEEPING_OPS = frozenset({
 })
 """Opcodes that launch nothing on the device and move nothing: they only name or regroup buffers."""
 
+COLLECTIVE_OPS = frozenset({"all-reduce", "all-gather", "reduce-scatter", "all-to-all", "ragged-all-to-all",
+                            "collective-permute", "collective-broadcast"})
+"""Opcodes of collectives between GPUs (each also has an asynchronous ``-start`` / ``-done`` form)."""
+
 # Ops that launch nothing: bookkeeping, control flow (its bodies are walked),
 # and the asynchronous transfers and host calls (counted apart).
 _NOT_KERNELS = BOOKKEEPING_OPS | frozenset({
@@ -467,6 +474,26 @@ class HloSummary:
   transfer_bytes: int = 0
   to_device_bytes: int = 0
   to_host_bytes: int = 0
+  collective_bytes: dict = dataclasses.field(default_factory=dict)
+
+
+def collective_of(ins: HloInstruction, computations: dict) -> HloInstruction | None:
+  """The collective ``ins`` starts or is (itself, or the one an ``async-start`` wraps), None for others."""
+  if ins.opcode.removesuffix("-start") in COLLECTIVE_OPS:
+    return ins
+  if ins.opcode == "async-start":
+    return next((i for c in ins.called for i in computations.get(c, []) if i.opcode in COLLECTIVE_OPS), None)
+  return None
+
+
+def collective_payload(ins: HloInstruction, shapes: dict) -> int:
+  """The bytes a collective (or its ``-start`` / ``async-start``) gathers, scatters or reduces on one GPU.
+
+  The larger of its operands and its result: an asynchronous start's tuple
+  shape holds both, each counted alone.
+  """
+  parts = _top_level(ins.shape) + [shapes.get(o, "") for o in ins.operands]
+  return max(array_bytes(part) for part in parts)
 
 
 def _top_level(shape: str) -> list[str]:
@@ -586,6 +613,10 @@ def count_hlo(text: str) -> HloSummary:
   * ``kernel_bytes``: over the kernels, the bytes of their operands plus their
     results: a compile-time proxy for the memory traffic. It overcounts
     in-place updates of part of a buffer and ignores caching.
+  * ``collective_bytes``: per collective (``all-gather``, ``reduce-scatter``,
+    ``all-reduce``...), the bytes of the buffers it gathers, scatters or
+    reduces on each GPU (the larger of its operands and its result), an
+    instruction inside a ``while`` body once per trip.
   * ``to_device_bytes``, ``to_host_bytes``: the bytes that cross the
     host-device link per step in each direction: each transfer's payload (a
     ``copy-start``'s operand; a slice copy's slice; a synchronous transfer's
@@ -605,6 +636,7 @@ def count_hlo(text: str) -> HloSummary:
   computations, entry = parse_hlo(text)
   kernels = triton = transfers = host_calls = kernel_bytes = to_device = to_host = 0
   ops: dict[str, int] = {}
+  collectives: dict[str, int] = {}
   if entry is None:
     return HloSummary(0, 0, 0, 0, 0, {})
   seen = set()
@@ -625,6 +657,10 @@ def count_hlo(text: str) -> HloSummary:
         inner = trips * _trip_count(ins.rest) if ins.opcode == "while" else trips
         todo += [(called, inner) for called in _called(ins.rest)]
         continue
+      collective = collective_of(ins, computations)
+      if collective is not None:
+        key = collective.opcode.removesuffix("-start")
+        collectives[key] = collectives.get(key, 0) + trips * collective_payload(ins, shapes)
       moved = transfer_of(ins, shapes)
       if moved is not None:
         transfers += 1
@@ -645,7 +681,7 @@ def count_hlo(text: str) -> HloSummary:
       ops[key] = ops.get(key, 0) + 1
       kernel_bytes += array_bytes(ins.shape) + sum(array_bytes(o) for o in operands)
   return HloSummary(kernels, triton, transfers, host_calls, kernel_bytes, dict(sorted(ops.items())),
-                    to_device + to_host, to_device, to_host)
+                    to_device + to_host, to_device, to_host, dict(sorted(collectives.items())))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -749,8 +785,8 @@ class GpuCompileReport:
       memory the executable needs at once (an upper bound XLA plans for).
     host_peak_bytes: the same for host memory.
     kernels, triton_launches, transfers, host_calls, kernel_bytes,
-      kernel_ops, transfer_bytes, to_device_bytes, to_host_bytes: from the
-      optimized HLO, see :func:`count_hlo`.
+      kernel_ops, transfer_bytes, to_device_bytes, to_host_bytes,
+      collective_bytes: from the optimized HLO, see :func:`count_hlo`.
     warnings: the host-offloader fallback lines XLA logged ("does device
       compute in host memory space ... Converting into host compute"): each is
       a value in host memory computed on slowly by the host.
@@ -787,6 +823,7 @@ class GpuCompileReport:
   to_host_bytes: int = 0
   parameter_shardings: tuple[str, ...] = ()
   output_shardings: tuple[str, ...] = ()
+  collective_bytes: dict = dataclasses.field(default_factory=dict)
 
   @property
   def device_peak_bytes(self) -> int:
@@ -941,7 +978,7 @@ def compile_lowered(lowered: Any, target: str = "h100", num_devices: int = 1) ->
       kernels=summary.kernels, triton_launches=summary.triton_launches, transfers=summary.transfers,
       host_calls=summary.host_calls, kernel_bytes=summary.kernel_bytes, kernel_ops=summary.kernel_ops,
       transfer_bytes=summary.transfer_bytes, to_device_bytes=summary.to_device_bytes,
-      to_host_bytes=summary.to_host_bytes,
+      to_host_bytes=summary.to_host_bytes, collective_bytes=summary.collective_bytes,
       parameter_shardings=_sharding_texts(executable.get_parameter_shardings()),
       output_shardings=_sharding_texts(executable.get_output_shardings()),
       warnings=warnings, log=log, hlo=hlo)

@@ -316,8 +316,11 @@ def commit(tree: Any) -> Any:
   Commit what the step takes before its first call: params, optimizer state,
   a ``TrainState``, or an NNX model and optimizer together (see the example).
 
-  Committed arrays are kept as they are (host state stays in host memory).
-  Uncommitted arrays, Python numbers and NumPy arrays become arrays committed,
+  Committed arrays are kept as they are (host state stays in host memory),
+  but for a split spec on a mesh of one device, which a jitted step returns
+  as ``P()`` (nothing to split): it is given ``P()`` now, on the same device
+  and memory kind, so that code written for a mesh runs on one device and
+  compiles once. Uncommitted arrays, Python numbers and NumPy arrays become arrays committed,
   in device memory, replicated over the devices of the first committed array
   of ``tree`` that has a replicable sharding (one device, or a mesh), else
   to the device they are on (the default device for numbers). Other leaves
@@ -352,8 +355,12 @@ def commit(tree: Any) -> Any:
 
   def committed(x):
     if isinstance(x, jax.Array):
-      if _compat.is_tracer(x) or x.committed:
+      if _compat.is_tracer(x):
         return x
+      if x.committed:
+        one = isinstance(x.sharding, NamedSharding) and x.sharding.mesh.size == 1
+        unsplit = NamedSharding(x.sharding.mesh, PartitionSpec(), memory_kind=x.sharding.memory_kind) if one else None
+        return jax.device_put(x, unsplit) if one and x.sharding != unsplit else x
       return jax.device_put(x, target or x.sharding)
     if isinstance(x, (int, float, complex, np.ndarray, np.generic)):
       return jax.device_put(x, target or jax.devices()[0])

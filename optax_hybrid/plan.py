@@ -183,6 +183,11 @@ class Plan:
     static_zeros: the rule's hyperparameters that were a concrete zero at
       ``init`` and are left out of every step (a zero weight decay, Adam's
       zero ``eps_root``): :attr:`optax_hybrid.rules.UpdateRule.zero_skippable`.
+      Not compared (nor hashed): ``optax.inject_hyperparams``' ``init`` sees
+      them traced under ``jit`` (so records none) where the plain optimizer's
+      sees Python zeros, and the two states must compare equal (Optax's
+      ``AliasTest``). Steps traced for either compute the same numbers while
+      the injected values stay zero.
     layout: with ``state_layout="packed"``, where each leaf's state is in the
       state's flat buffers (:class:`optax_hybrid.packing.Layout`, made by
       ``init``); None: one array per leaf.
@@ -212,7 +217,7 @@ class Plan:
     # A jitted step hashes its arguments' tree structure on every call, and
     # the plan is part of it: hash once.
     object.__setattr__(self, "_key", (self.leaves, self.kernel, self.split, self.mesh, self.fields, self.owner,
-                                      self.static_zeros, self.layout))
+                                      self.layout))
     object.__setattr__(self, "_hash", hash(self._key))
     # What every step reads, derived once.
     names = tuple(f.name for f in self.fields)
@@ -341,7 +346,8 @@ def field_dtypes(param_dtype: Any, rule: Any, storage: Any, path: Any, owner: st
     argument = field.dtype_argument or "moment_format"
     if complex_param and not field.real and not jnp.issubdtype(dtype, jnp.complexfloating):
       raise ValueError(f"{owner}: `{argument}`={dtype} cannot hold `{field.name}` of the complex param "
-                       f"{jax.tree_util.keystr(path)}; use a complex {argument} or None.")
+                       f"{jax.tree_util.keystr(path) or '<root>'} ({np.dtype(param_dtype)}): stored there it would "
+                       f"lose its imaginary part (Optax casts it so); use a complex {argument} or None.")
     if field.real and jnp.issubdtype(dtype, jnp.complexfloating):
       raise ValueError(f"{owner}: `{argument}`={dtype} must be real: `{field.name}` holds real values "
                        "(sums of |g|^2) even for complex params.")

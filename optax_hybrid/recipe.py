@@ -475,22 +475,71 @@ def _skip_together() -> optax.GradientTransformation:
   return optax.GradientTransformation(lambda params: optax.EmptyState(), update_fn)
 
 
-def _clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
-  """``optax.clip_by_global_norm`` for gradients in any memory kind.
+def global_norm(updates: Any) -> jax.Array:
+  r"""``optax.global_norm`` for trees in any memory kind: :math:`\sqrt{\sum_i \sum |g_i|^2}`, a float32 device scalar.
 
   Each leaf's sum of squares is computed where the leaf lives (host-resident
-  ones in one host computation), the norm on the device, and each leaf is
-  scaled where it lives. Optax's own reads every leaf on the device: with a
-  gradient in host memory (``scan_layers``' layers) it fails at trace time.
+  leaves together in one host computation), and only those scalars come to
+  the device. ``optax.global_norm`` adds every leaf's square on the device: with
+  a leaf in host memory (the layers' gradient of :func:`optax_hybrid.scan_layers`,
+  or params and gradients of the ``host`` tier) it fails at trace time
+  ("memory_space of all inputs passed to `add` must be the same").
+
+  Example:
+    >>> import jax.numpy as jnp, optax_hybrid
+    >>> float(optax_hybrid.global_norm({"a": jnp.array([3.0]), "b": jnp.array([4.0])}))
+    5.0
   """
+  inexact = [g for g in jax.tree.leaves(updates) if jnp.issubdtype(g.dtype, jnp.inexact)]
+  squares = placement.map_where_they_live(lambda g, _: jnp.sum(jnp.real(g * jnp.conj(g)).astype(jnp.float32)),
+                                          inexact)
+  return jnp.sqrt(sum((_compat.move(x, _compat.DEVICE) for x in squares), jnp.float32(0)))
+
+
+def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
+  r"""``optax.clip_by_global_norm`` for gradients in any memory kind (host memory included).
+
+  .. math::
+
+    g_i \leftarrow g_i \cdot \min(1, \text{max\_norm} / \lVert g \rVert)
+
+  with :math:`\lVert g \rVert` the :func:`global_norm` of all the gradients:
+  Optax's numbers. Each leaf's share of the norm is computed where the leaf
+  lives, and each leaf is scaled there (host-resident ones in one host
+  computation), so it runs in front of a ``hybrid_*`` optimizer in
+  ``optax.chain`` when gradients live in host memory (layers streamed by
+  :func:`optax_hybrid.scan_layers`, the ``host`` tier's params), where
+  ``optax.clip_by_global_norm`` fails at trace time (docs/errors.md).
+  :func:`optax_hybrid.standard_optimizer` clips with it.
+
+  Args:
+    max_norm: the largest global norm left unscaled, ``> 0``.
+
+  Returns:
+    A stateless ``optax.GradientTransformation``.
+
+  Raises:
+    ValueError: for ``max_norm <= 0``.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, optax, optax_hybrid
+    >>> host = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="pinned_host")
+    >>> params = {"w": jax.device_put(jnp.ones(3), host)}
+    >>> tx = optax.chain(optax_hybrid.clip_by_global_norm(1.0), optax_hybrid.hybrid_adamw(1e-3, tiers="host"))
+    >>> state = tx.init(params)
+    >>> updates, state = jax.jit(tx.update)({"w": jax.device_put(jnp.full(3, 10.0), host)}, state, params)
+    >>> updates["w"].sharding.memory_kind
+    'pinned_host'
+  """
+  _checks.hyperparameter("clip_by_global_norm", "max_norm", max_norm, low=0.0)
+  if not _compat.is_tracer(max_norm) and float(max_norm) == 0.0:
+    raise ValueError("clip_by_global_norm: `max_norm` must be > 0, got 0.0 (every gradient would be zeroed); "
+                     "leave the stage out to not clip.")
 
   def update_fn(updates, state, params=None):
     del params
     leaves, treedef = jax.tree.flatten(updates)
-    inexact = [g for g in leaves if jnp.issubdtype(g.dtype, jnp.inexact)]
-    squares = placement.map_where_they_live(lambda g, _: jnp.sum(jnp.real(g * jnp.conj(g)).astype(jnp.float32)),
-                                            inexact)
-    norm = jnp.sqrt(sum((_compat.move(x, _compat.DEVICE) for x in squares), jnp.float32(0)))
+    norm = global_norm(leaves)
     factor = jnp.where(norm < max_norm, 1.0, max_norm / norm).astype(jnp.float32)
     return jax.tree.unflatten(treedef, _scaled_where_they_live(leaves, factor)), state
 
@@ -702,7 +751,7 @@ def standard_optimizer(
   if hybrid_options.get("skip_nonfinite", False) and trainable_groups > 1:
     parts.append(_skip_together())
   if max_grad_norm is not None:
-    parts.append(_clip_by_global_norm(max_grad_norm))
+    parts.append(clip_by_global_norm(max_grad_norm))
   tx = _record_learning_rate(optax.chain(*parts, core), sched)
   if accumulation_steps > 1:
     tx = accumulate_gradients(tx, accumulation_steps)

@@ -256,8 +256,6 @@ def kernel_seconds(hlo: Any, hardware: Hardware | str = H200_SXM) -> dict[str, f
 
 _GEMM_TARGETS = ("__cublas$gemm", "__cublas$lt$matmul")
 _SLICING_OPS = frozenset({"dynamic-slice", "slice", "gather"})
-_COLLECTIVES = frozenset({"all-reduce", "all-gather", "reduce-scatter", "all-to-all", "ragged-all-to-all",
-                          "collective-permute", "collective-broadcast"})
 
 
 def _product(values) -> int:
@@ -561,12 +559,10 @@ class _Replay:
   def launch(self, ins: HloInstruction, shapes: dict, pending: dict) -> None:
     """A kernel, a collective, a copy between host buffers, or an async op's work."""
     t = self.timeline
-    collective = ins.opcode.removesuffix("-start")
-    called = [i for c in ins.called for i in self.computations.get(c, [])] if ins.opcode == "async-start" else []
-    inner = next((i for i in called if i.opcode in _COLLECTIVES), None)
-    if collective in _COLLECTIVES or inner is not None:
-      opcode, rest = (collective, ins.rest) if inner is None else (inner.opcode, inner.rest)
-      nbytes = max([array_bytes(ins.shape)] + [array_bytes(shapes.get(o, "")) for o in ins.operands])
+    collective = gpu_compile.collective_of(ins, self.computations)
+    if collective is not None:
+      opcode, rest = collective.opcode.removesuffix("-start"), collective.rest
+      nbytes = gpu_compile.collective_payload(ins, shapes)
       end = t.engine("net", _collective_seconds(opcode, rest, nbytes, self.hardware.nvlink_bandwidth), t.clock)
     elif _host_to_host(ins, shapes):
       end = t.engine("host", self.costs.kernel_bytes(ins, shapes) / self.hardware.host_bandwidth, t.clock)

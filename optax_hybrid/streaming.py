@@ -18,26 +18,26 @@ carries (which can go to host memory too: ``offload_carries``).
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from optax_hybrid import _compat
+from optax_hybrid import _compat, user_fns
 from optax_hybrid._compat import DEVICE, HOST
 
 __all__ = ["scan_layers", "step_in_backward"]
 
 
-def scan_layers(layer_fn: Callable[..., Any], carry: Any, layers: Any, xs: Any = None, *,
+def scan_layers(layer_fn: Callable[..., Any], carry: Any, layers: Any, xs: Any = None, *, args: tuple = (),
                 offload_carries: bool = False) -> Any:
   r"""Runs ``layer_fn`` over stacked layers, one layer on the device at a time; returns the final carry.
 
   Equal in value and gradients to::
 
-    jax.lax.scan(jax.checkpoint(lambda c, a: (layer_fn(c, *a), None)), carry, (layers,) or (layers, xs))[0]
+    jax.lax.scan(jax.checkpoint(lambda c, a: (layer_fn(c, *a, *args), None)), carry, (layers,) or (layers, xs))[0]
 
   Each array of ``layers`` (and of ``xs``) is stacked on axis 0, one slice
   per layer, and may live in any memory kind. For a leaf in host memory
@@ -55,15 +55,21 @@ def scan_layers(layer_fn: Callable[..., Any], carry: Any, layers: Any, xs: Any =
   abstract inputs on a one-device mesh to compile what real arrays compile).
 
   Args:
-    layer_fn: ``(carry, layer) -> carry``, or ``(carry, layer, x) -> carry``
-      when ``xs`` is given; ``layer`` is one slice of ``layers`` on the
-      device. It may close over arrays (positions, a mask, shared weights):
-      they are hoisted out (``jax.closure_convert``) and get their gradients.
+    layer_fn: ``(carry, layer, *args) -> carry``, or ``(carry, layer, x,
+      *args) -> carry`` when ``xs`` is given (the convention of
+      :func:`step_in_backward`, whose ``args`` are ``(rest, batch)``);
+      ``layer`` is one slice of ``layers`` on the device. It may close over
+      arrays (positions, a mask, shared weights): they are hoisted out
+      (``jax.closure_convert``) and get their gradients.
     carry: the initial carry, a pytree of device arrays.
     layers: a pytree of arrays stacked on axis 0 (the layers' params, e.g.
-      the state of Flax NNX layers made with ``nnx.vmap``).
+      the ``nnx.State`` of Flax NNX layers made with ``nnx.vmap``; any
+      mapping or pytree).
     xs: per-layer inputs that are not params (a per-layer RNG key, a mask),
       stacked on axis 0; None for none. Their float leaves get gradients.
+    args: values every layer gets after its own inputs (shared weights, the
+      batch), as closed-over values are; their float leaves get gradients
+      (summed over the layers).
     offload_carries: keep the carries saved for the backward pass in host
       memory too (activation offload): the device then holds no term that
       grows with depth.
@@ -74,6 +80,8 @@ def scan_layers(layer_fn: Callable[..., Any], carry: Any, layers: Any, xs: Any =
   Raises:
     ValueError: for ``layers`` (or ``xs``) without leaves, or whose leaves
       do not share one leading length.
+    TypeError: when ``layer_fn`` returns something other than a carry typed
+      like ``carry`` (its structure, shapes and dtypes), naming it.
 
   Example:
     >>> import jax, jax.numpy as jnp, optax_hybrid
@@ -92,17 +100,18 @@ def scan_layers(layer_fn: Callable[..., Any], carry: Any, layers: Any, xs: Any =
                      f"got {_length(xs, 'xs')}.")
   one = lambda tree: jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), tree)
   example = (carry, one(layers)) if xs is None else (carry, one(layers), one(xs))
-  closed, consts = jax.closure_convert(layer_fn, *example)
+  checked = user_fns.returning_the_carry("scan_layers", "layer_fn", layer_fn, carry)
+  closed, consts = jax.closure_convert(lambda *inputs: checked(*inputs, *args), *example)
   step = (lambda c, p, x, k: closed(c, p, *k)) if xs is None else (lambda c, p, x, k: closed(c, p, x, *k))
   return _streamed(step, length, offload_carries)(carry, layers, xs, tuple(consts))
 
 
-def _length(tree: Any, name: str) -> int:
+def _length(tree: Any, name: str, owner: str = "scan_layers") -> int:
   lengths = {np.shape(a)[0] if np.ndim(a) else None for a in jax.tree.leaves(tree)}
   if not lengths:
-    raise ValueError(f"scan_layers: `{name}` has no arrays; pass the layers' params stacked on axis 0.")
+    raise ValueError(f"{owner}: `{name}` has no arrays; pass the layers' params stacked on axis 0.")
   if len(lengths) != 1 or None in lengths:
-    raise ValueError(f"scan_layers: every array of `{name}` must be stacked on axis 0 with one length (the number "
+    raise ValueError(f"{owner}: every array of `{name}` must be stacked on axis 0 with one length (the number "
                      f"of layers); got leading lengths {sorted(lengths, key=str)}.")
   return lengths.pop()
 
@@ -128,20 +137,39 @@ def _put(buffer: Any, values: Any, i: Any) -> Any:
 
 
 def _buffer_like_stack(tree: Any) -> Any:
-  """An uninitialized buffer shaped like each array of ``tree``, in that array's memory; every slice is written.
+  """A buffer shaped like each array of ``tree``, in that array's memory; every slice is written.
 
-  Uninitialized (``lax.empty``: XLA:GPU allocates it where it lives): zeros
-  for a host buffer would be made on the device and copied, a device
-  temporary as large as the stack.
+  In a process of one device, uninitialized (``lax.empty``: XLA:GPU
+  allocates it where it lives): zeros for a host buffer are made on the
+  device and copied over the bus each step. In a process of several devices
+  the stack may be split over a mesh the trace cannot see, and
+  ``lax.empty`` (a custom call XLA's partitioner cannot split) kept a whole
+  gradient on every device (measured on an H200 node, width 512: 0.35 MB per
+  layer per GPU more device memory and 0.37 MB more over the bus than
+  zeros, which the partitioner splits like the gradient slices written
+  into them).
   """
-  return jax.tree.map(lambda a: _compat.move(lax.empty(a.shape, a.dtype), _compat.memory_space_of(a)), tree)
+  if jax.device_count() == 1:
+    return jax.tree.map(lambda a: _compat.move(lax.empty(a.shape, a.dtype), _compat.memory_space_of(a)), tree)
+  return jax.tree.map(lambda a: _compat.move(jnp.zeros(a.shape, a.dtype), _compat.memory_space_of(a)), tree)
 
 
 def _saved_buffer(carry: Any, length: int, offload: bool) -> Any:
-  """Room for ``length`` carries, uninitialized (every slice is written): on the device, or in host memory."""
-  space = HOST if offload else DEVICE
-  return jax.tree.map(lambda c: _compat.move(_compat.row_major(lax.empty((length,) + np.shape(c), c.dtype)), space),
-                      carry)
+  """Room for ``length`` carries (every slice is written): on the device, or in host memory.
+
+  On the device, zeros: XLA's partitioner splits them like the carries
+  written into them (a carry split over the batch on a mesh), where an
+  uninitialized buffer (``lax.empty``, a custom call it cannot split) or a
+  layout constraint on it was kept whole on every device: the device grew
+  by the whole batch's carry per layer instead of its share (measured on an
+  H200 node, 8 to 16 layers: 95.6 MB per layer against a 16.8 MB share).
+  In host memory, uninitialized: zeros would be made on the device and
+  copied, a device temporary as large as the stack.
+  """
+  if offload:
+    return jax.tree.map(lambda c: _compat.move(_compat.row_major(lax.empty((length,) + np.shape(c), c.dtype)), HOST),
+                        carry)
+  return jax.tree.map(lambda c: jnp.zeros((length,) + np.shape(c), c.dtype), carry)
 
 
 def _inexact(leaves: list) -> list[int]:
@@ -213,25 +241,28 @@ def _streamed(step: Callable, length: int, offload: bool) -> Callable:
   return run
 
 
-def step_in_backward(tx: Any, embed_fn: Callable[[Any, Any], Any], layer_fn: Callable[[Any, Any, Any], Any],
-                     head_fn: Callable[[Any, Any, Any], Any], *, layers: str = "layers",
+def step_in_backward(tx: Any, embed_fn: Callable[[Any, Any], Any], layer_fn: Callable[..., Any],
+                     head_fn: Callable[[Any, Any, Any], Any], *, layers: str = "layers", xs: Callable | None = None,
                      offload_carries: bool = False) -> Callable[[Any, Any, Any], tuple[Any, Any, Any]]:
   r"""A train step whose optimizer steps each layer inside the backward pass: no gradient of the layers is kept.
 
   ``params[layers]`` holds layers stacked on axis 0 (as for
   :func:`scan_layers`, in any memory kind) and the other entries of
-  ``params`` are the rest of the model. The step runs the model as::
+  ``params`` (a dict, a Flax ``FrozenDict``, an ``nnx.State`` or any mapping)
+  are the rest of the model. The step runs the model as::
 
     carry = embed_fn(rest, batch)                      # rest: params without `layers`
-    carry = layer_fn(carry, layer_i, batch)            # for each layer i, streamed as scan_layers does
+    carry = layer_fn(carry, layer_i, rest, batch)      # for each layer i, streamed as scan_layers does
     loss = head_fn(rest, carry, batch)
 
-  then goes back through the layers from the last: it brings layer
-  :math:`i` in, recomputes it from its saved input carry, takes its
-  gradient and at once steps layer :math:`i`'s rows of every stacked param
-  with ``tx`` (:meth:`optax_hybrid.HybridOptimizer.begin_step`), written in
-  place where the params and state live; the rest of the params are stepped
-  last. Its result equals::
+  (with ``xs``, ``layer_fn(carry, layer_i, x_i, rest, batch)``), then goes
+  back through the layers from the last: it brings layer :math:`i` in,
+  recomputes it from its saved input carry, takes its gradient and at once
+  steps layer :math:`i`'s rows of every stacked param with ``tx``
+  (:meth:`optax_hybrid.HybridOptimizer.begin_step`), written in place where
+  the params and state live; the rest of the params are stepped last, with
+  the gradient of every function that reads them (a weight the layers
+  share: summed over the layers). Its result equals::
 
     loss, grads = jax.value_and_grad(loss_fn)(params, batch)   # loss_fn: the model above, by scan_layers
     params, opt_state = tx.step(params, opt_state, grads)
@@ -246,26 +277,42 @@ def step_in_backward(tx: Any, embed_fn: Callable[[Any, Any], Any], layer_fn: Cal
       ``hybrid_*``), whose stacked layers run on the device (tier
       ``"device"`` or ``"host_state"``; on a mesh, split along any axis but
       the first: each device steps its shard), with ``skip_nonfinite=False``.
-    embed_fn: ``(rest, batch) -> carry``.
-    layer_fn: ``(carry, layer, batch) -> carry``; ``layer`` is one slice of
-      ``params[layers]`` on the device. Values it closes over get no
-      gradient: pass params through ``rest`` and the carry.
+    embed_fn: ``(rest, batch) -> carry``, a pytree of arrays.
+    layer_fn: ``(carry, layer, rest, batch) -> carry`` (the convention of
+      :func:`scan_layers`, whose ``args`` are here ``(rest, batch)``); ``layer``
+      is one slice of ``params[layers]`` on the device. The values of
+      ``rest`` it reads get their gradients. Closing over a value of the
+      params is refused (it would be a constant of the step). The old
+      ``(carry, layer, batch)`` is accepted for one release with a
+      DeprecationWarning, and the step then returns ``(loss, params,
+      opt_state)`` as it did.
     head_fn: ``(rest, carry, batch) -> loss``, a float scalar.
     layers: the key of the stacked layers in ``params``.
+    xs: per-layer inputs that are not params (a per-layer RNG key):
+      ``(rest, batch) -> pytree stacked on axis 0`` (one slice per layer),
+      passed to ``layer_fn`` after ``layer``; None for none. They get no
+      gradient.
     offload_carries: keep the carries saved for the backward pass in host
       memory (as :func:`scan_layers`).
 
   Returns:
-    ``train_step(params, opt_state, batch) -> (loss, params, opt_state)``,
-    to be jitted with ``donate_argnums=(0, 1)`` so that the layers and the
-    state are updated in place.
+    ``train_step(params, opt_state, batch) -> (params, opt_state, loss)``,
+    the params in the type they came in, to be jitted with
+    ``donate_argnums=(0, 1)`` so that the layers and the state are updated in
+    place (results in the arguments' order: each donated buffer pairs with
+    its own result).
 
   Raises:
     TypeError: for a ``tx`` that is not one of this library's optimizers
-      (``optax.chain`` of it included: the step must own the update).
-    ValueError: when the step runs: for ``params`` without ``layers``, a
-      ``head_fn`` that does not return a float scalar, layers in the ``host``
-      or ``disk`` tier or with their first axis split over devices,
+      (``optax.chain`` of it included: the step must own the update), or a
+      ``layer_fn`` that takes neither convention's arguments.
+    ValueError, TypeError: when the step runs, naming the function or
+      argument: for ``params`` without ``layers``; a model function that
+      returns the wrong structure, shape or dtype (``embed_fn`` not a
+      pytree of arrays, ``layer_fn`` not the carry it takes, ``head_fn`` not a
+      float scalar) or that closes over a value of the params; layers in
+      the ``host`` or ``disk`` tier or with their first axis split over
+      devices;
       ``skip_nonfinite=True``.
 
   Example:
@@ -274,55 +321,155 @@ def step_in_backward(tx: Any, embed_fn: Callable[[Any, Any], Any], layer_fn: Cal
     >>> tx = optax_hybrid.hybrid_adamw(1e-3)
     >>> train_step = jax.jit(optax_hybrid.step_in_backward(
     ...     tx, lambda rest, b: rest["embed"][b],
-    ...     lambda x, layer, b: jnp.tanh(x @ layer["w"]),
+    ...     lambda x, layer, rest, b: jnp.tanh(x @ layer["w"]),
     ...     lambda rest, x, b: jnp.mean((x @ rest["head"]) ** 2)), donate_argnums=(0, 1))
-    >>> loss, params, state = train_step(params, tx.init(params), jnp.array([0, 2]))
+    >>> params, state, loss = train_step(params, tx.init(params), jnp.array([0, 2]))
     >>> params["layers"]["w"].shape
     (3, 8, 8)
   """
+  owner = "step_in_backward"
   if not callable(getattr(tx, "begin_step", None)):
-    raise TypeError(f"step_in_backward: `tx` must be one of optax_hybrid's optimizers (hybrid_adamw, ...), which "
+    raise TypeError(f"{owner}: `tx` must be one of optax_hybrid's optimizers (hybrid_adamw, ...), which "
                     f"can step a layer at a time; got {type(tx).__name__}. Put what a chain would add (a "
                     "schedule, weight decay) in its arguments.")
+  layer_fn, old_convention = user_fns.layer_fn_of_step(owner, layer_fn, xs is not None)
 
   def train_step(params, opt_state, batch):
-    if not isinstance(params, Mapping) or layers not in params:
-      raise ValueError(f"step_in_backward: `params` must be a dict holding the stacked layers under "
-                       f"{layers!r} (the `layers=` argument); got {type(params).__name__}"
-                       + (f" with keys {sorted(params)}." if isinstance(params, Mapping) else "."))
-    stack = params[layers]
-    rest = {k: v for k, v in params.items() if k != layers}
-    length = _length(stack, "layers")
-    run_layer = lambda c, p: layer_fn(c, p, batch)
+    stack, rest = _split_layers(params, opt_state, layers)
+    length = _length(stack, "layers", owner)
+    per_layer = None if xs is None else xs(rest, batch)
+    if per_layer is not None and _length(per_layer, "xs", owner) != length:
+      raise ValueError(f"{owner}: `xs` must return per-layer inputs stacked like the layers (leading length "
+                       f"{length}); got {_length(per_layer, 'xs', owner)}.")
     carry, embed_vjp = jax.vjp(lambda r: embed_fn(r, batch), rest)
-    carry, saved = _forward_loop(lambda c, p, x, k: run_layer(c, p), length, carry, stack, None, (),
+    user_fns.check_carry(owner, "embed_fn", carry)
+    layer = _layer_of_step(layer_fn, params, rest, batch, carry, stack, per_layer)
+    carry, saved = _forward_loop(layer.run, length, carry, stack, per_layer, layer.shared,
                                  _saved_buffer(carry, length, offload_carries))
     loss, head_vjp = jax.vjp(lambda r, c: head_fn(r, c, batch), rest, carry)
-    if jnp.ndim(loss) or not jnp.issubdtype(jnp.result_type(loss), jnp.floating):
-      raise ValueError(f"step_in_backward: `head_fn` must return the loss, a float scalar; got "
-                       f"{jax.typeof(loss).str_short()}. Reduce it (a mean over the batch) in `head_fn`.")
+    user_fns.check_loss(owner, "head_fn", loss)
+    _check_closures(params, rest, batch, carry, embed_fn, head_fn)
     g_rest, g = head_vjp(jnp.ones_like(loss))
-    by_rows = jax.tree_util.tree_map_with_path(lambda path, _: path[0].key == layers, params)
-    parts = tx.begin_step(params, opt_state, by_rows)
-    stack_def = jax.tree.structure(stack)
-    current = lambda buffers: stack_def.unflatten([b.first for b in buffers])  # rows not yet stepped: old
-
-    def body(t, loop):
-      i = length - 1 - t
-      g, p, buffers = loop
-      preceding = _slice(current(buffers), jnp.maximum(i - 1, 0))  # fetched beside layer i's arithmetic
-      _, vjp = jax.vjp(run_layer, _slice(saved, i), p)
-      g, g_p = vjp(g)
-      # The layer's params are on the device already (its VJP read them): the step reads them, not the host.
-      buffers = parts.step_rows(buffers, [x[None] for x in jax.tree.leaves(g_p)], i,
-                                [x[None] for x in jax.tree.leaves(p)])
-      return g, preceding, buffers
-
-    g, _, buffers = lax.fori_loop(0, length, body, (g, _slice(current(parts.buffers), length - 1), parts.buffers))
-    g_rest = jax.tree.map(jnp.add, g_rest, embed_vjp(g)[0])
-    # The layers' entries are not read (they were stepped in the loop): the params stand in.
-    grads = {**g_rest, layers: stack} if type(params) is dict else type(params)({**g_rest, layers: stack})
-    new_params, new_state = parts.finish(buffers, grads)
-    return loss, new_params, new_state
+    stacked = {id(x) for x in jax.tree.leaves(stack)}
+    parts = tx.begin_step(params, opt_state, jax.tree.map(lambda x: id(x) in stacked, params))
+    g, buffers, g_shared = _backward_stepping(parts, layer, length, stack, saved, per_layer, g)
+    # The rest's gradients in the order of the backward pass (as jax.grad adds them): the head's, the layers'
+    # (a weight they share: summed over them), the embedding's.
+    g_rest = jax.tree.leaves(g_rest)
+    for j, g_layers in zip(layer.reads, g_shared):
+      g_rest[j] = g_rest[j] + g_layers
+    g_rest = [a + b for a, b in zip(g_rest, jax.tree.leaves(embed_vjp(g)[0]))]
+    new_params, new_state = parts.finish(buffers, _grads_like(params, stacked, rest, g_rest))
+    return (loss, new_params, new_state) if old_convention else (new_params, new_state, loss)
 
   return train_step
+
+
+def _split_layers(params: Any, opt_state: Any, layers: str) -> tuple[Any, Any]:
+  """``(params[layers], the other entries)``, the other entries in ``params``' mapping type where it takes a dict."""
+  if not isinstance(params, Mapping) or layers not in params:
+    hint = ""
+    if hasattr(params, "plan") or getattr(opt_state, "ndim", None) == 0:  # a state, and the loss as the state
+      hint = (" It looks like an optimizer state: the train step returns (params, opt_state, loss), in the order "
+              "of its arguments; unpack it as `params, opt_state, loss = train_step(params, opt_state, batch)`.")
+    raise ValueError(f"step_in_backward: `params` must be a mapping (a dict, a Flax FrozenDict or nnx.State) "
+                     f"holding the stacked layers under {layers!r} (the `layers=` argument); got "
+                     f"{type(params).__name__}" + (f" with keys {sorted(params)}." if isinstance(params, Mapping)
+                                                   else ".") + hint)
+  entries = {k: v for k, v in params.items() if k != layers}
+  try:
+    rest = entries if type(params) is dict else type(params)(entries)
+  except TypeError:  # a mapping type that is not made from a dict: the embedding and head get a dict
+    rest = entries
+  return params[layers], rest
+
+
+class _StepLayer(NamedTuple):
+  """``layer_fn`` as :func:`step_in_backward`'s loops run it.
+
+  Attributes:
+    run: ``(carry, layer, x, shared) -> carry`` (``x`` a slice of the per-layer inputs, or None).
+    reads: the indices, among ``rest``'s leaves, of the float leaves ``layer_fn`` reads.
+    shared: those leaves, in that order: ``run``'s last argument.
+  """
+
+  run: Callable
+  reads: list
+  shared: list
+
+
+def _layer_of_step(layer_fn: Callable, params: Any, rest: Any, batch: Any, carry: Any, stack: Any,
+                   per_layer: Any) -> _StepLayer:
+  """``layer_fn`` with the leaves of ``rest`` it reads as an argument of their own (:class:`_StepLayer`).
+
+  ``layer_fn`` is traced once here on layer 0's shapes: its result is
+  checked, a closed-over value of the params refused, and the float leaves
+  of ``rest`` it reads become ``run``'s last argument, so that the
+  backward loop takes their gradient (and only theirs: no accumulator for
+  the embedding a layer never reads).
+  """
+  checked = user_fns.returning_the_carry("step_in_backward", "layer_fn", layer_fn, carry)
+  rest_leaves, rest_def = jax.tree.flatten(rest)
+  one = lambda tree: jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a)[1:], a.dtype), tree)
+  x_args = () if per_layer is None else (one(per_layer),)
+  closed = jax.make_jaxpr(lambda c, p, *x_rest_batch: checked(c, p, *x_rest_batch))(
+      carry, one(stack), *x_args, rest, batch)
+  user_fns.check_no_closed_over_params(
+      "step_in_backward", "layer_fn", closed, params,
+      "Read params from its arguments: `rest` (layer_fn(carry, layer, rest, batch)), whose values the layers read "
+      "get their gradients summed over the layers.")
+  start = len(jax.tree.leaves((carry, one(stack), *x_args)))
+  read = [j for j in user_fns.used_inputs(closed, start, len(rest_leaves))
+          if jnp.issubdtype(rest_leaves[j].dtype, jnp.inexact)]
+
+  def run_layer(c, p, x, shared):
+    leaves = list(rest_leaves)
+    for j, value in zip(read, shared):
+      leaves[j] = value
+    inputs = () if per_layer is None else (x,)
+    return checked(c, p, *inputs, rest_def.unflatten(leaves), batch)
+
+  return _StepLayer(run_layer, read, [rest_leaves[j] for j in read])
+
+
+def _check_closures(params: Any, rest: Any, batch: Any, carry: Any, embed_fn: Callable, head_fn: Callable) -> None:
+  """Refuses an ``embed_fn`` or ``head_fn`` that closes over a value of the params, naming it."""
+  fix = "Read params from `rest`, its first argument: their gradients are taken there."
+  user_fns.check_no_closed_over_params("step_in_backward", "embed_fn", jax.make_jaxpr(embed_fn)(rest, batch),
+                                       params, fix)
+  user_fns.check_no_closed_over_params("step_in_backward", "head_fn", jax.make_jaxpr(head_fn)(rest, carry, batch),
+                                       params, fix)
+
+
+def _backward_stepping(parts: Any, layer: _StepLayer, length: int, stack: Any, saved: Any, per_layer: Any,
+                       g: Any) -> tuple[Any, list, list]:
+  """The backward loop of :func:`step_in_backward`: each layer's VJP, then its rows stepped at once.
+
+  Returns the carry's cotangent at the first layer's input, the stepped
+  buffers and the gradients of ``layer.shared`` (summed over the layers).
+  """
+  stack_def = jax.tree.structure(stack)
+  current = lambda buffers: stack_def.unflatten([b.first for b in buffers])  # rows not yet stepped: old
+
+  def body(t, loop):
+    i = length - 1 - t
+    g, p, buffers, g_shared = loop
+    preceding = _slice(current(buffers), jnp.maximum(i - 1, 0))  # fetched beside layer i's arithmetic
+    x = _slice(per_layer, i)
+    _, vjp = jax.vjp(lambda c, p, k: layer.run(c, p, x, k), _slice(saved, i), p, layer.shared)
+    g, g_p, g_k = vjp(g)
+    # The layer's params are on the device already (its VJP read them): the step reads them, not the host.
+    buffers = parts.step_rows(buffers, [leaf[None] for leaf in jax.tree.leaves(g_p)], i,
+                              [leaf[None] for leaf in jax.tree.leaves(p)])
+    return g, preceding, buffers, [acc + d for acc, d in zip(g_shared, g_k)]
+
+  start = (g, _slice(current(parts.buffers), length - 1), parts.buffers, [jnp.zeros_like(k) for k in layer.shared])
+  g, _, buffers, g_shared = lax.fori_loop(0, length, body, start)
+  return g, buffers, g_shared
+
+
+def _grads_like(params: Any, stacked: set, rest: Any, g_rest: list) -> Any:
+  """The gradients ``finish`` takes, a tree like ``params``: ``g_rest`` (one per leaf of ``rest``) at the other
+  leaves, and at the stacked leaves (stepped already: not read) the params themselves."""
+  by_leaf = {id(r): g for r, g in zip(jax.tree.leaves(rest), g_rest)}
+  return jax.tree.map(lambda x: x if id(x) in stacked else by_leaf[id(x)], params)

@@ -13,7 +13,7 @@ stochastic rounding and 8-bit moments in the backward pass: the same losses
 to float rounding), and every param and state leaf keeps its sharding and
 memory kind.
 
-``--gpu``: compiled for one DGX H200 node (8 GPUs, deviceless) at 2 and 4
+``--gpu``: compiled for one DGX H200 node (8 GPUs, deviceless) at 4 and 8
 layers, bf16 params, stochastic rounding, 8-bit moments: the results keep
 their shardings, each GPU's host arguments grow per layer by its eighth of
 the layer's params and state, and its device memory by its eighth of the
@@ -147,8 +147,8 @@ def check_one_gpu_in_a_process_of_eight():
 def check_gpu():
   check_one_gpu_in_a_process_of_eight()
   for in_backward in (True, False):
-    shallow, deep = compile_node(2, in_backward), compile_node(4, in_backward)
-    grown = lambda key: (getattr(deep["report"], key) - getattr(shallow["report"], key)) / 2
+    shallow, deep = compile_node(4, in_backward), compile_node(8, in_backward)
+    grown = lambda key: (getattr(deep["report"], key) - getattr(shallow["report"], key)) / 4
     figures = {k: grown(k) for k in ("device_peak_bytes", "host_argument_bytes", "host_temp_bytes")}
     figures.update(carry=deep["carry_bytes"], layer_host=deep["layer_host_bytes"], layer_params=deep["layer_param_bytes"])
     where = "step_in_backward" if in_backward else "scan_layers then tx.step"

@@ -7,6 +7,13 @@ A block runs in a fresh namespace. What it claims is checked two ways:
 * a block followed directly by a ```` ```text ```` block prints that text: its
   standard output must equal it (trailing spaces aside).
 
+A block that trains runs as written in a loop and compiles once: each of its
+train-step statements (``params, state, loss = train_step(params, state, x)``:
+a call of a jitted function, at the top level or in a top-level ``for`` loop,
+whose results are some of its arguments) runs once more after the block, fed
+its own results, and the jitted function must then hold one compiled program
+(``_cache_size() == 1``).
+
 Blocks that call ``jax.distributed.initialize()`` are multi-host examples: they
 run as two processes on this machine, joined on loopback, each with 2 CPU
 devices, the way ``tests/test_multiprocess.py`` runs its script (the test plays
@@ -22,6 +29,7 @@ runs one block: the multi-host test starts it once per process.
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import functools
 import glob
@@ -97,8 +105,8 @@ def is_multi_host(code: str) -> bool:
   return "jax.distributed.initialize(" in code
 
 
-def run_example(code: str, filename: str, printed: str | None) -> None:
-  """Runs ``code`` in a fresh namespace and checks its claimed value and its printed text."""
+def run_example(code: str, filename: str, printed: str | None) -> dict:
+  """Runs ``code`` in a fresh namespace and checks its claimed value and its printed text; returns the namespace."""
   namespace = {}
   out = io.StringIO()
   with contextlib.redirect_stdout(out):
@@ -110,6 +118,37 @@ def run_example(code: str, filename: str, printed: str | None) -> None:
   if printed is not None:
     strip = lambda text: [line.rstrip() for line in text.strip("\n").splitlines()]
     assert strip(out.getvalue()) == strip(printed), (filename, out.getvalue())
+  return namespace
+
+
+def _names(node: ast.AST) -> set[str]:
+  return {n.id for n in ast.walk(node) if isinstance(n, ast.Name)}
+
+
+def train_steps(code: str, namespace: dict) -> list[tuple[ast.stmt, str]]:
+  """The block's train-step statements: ``outs = f(args)``, ``f`` a jitted function fed its own results back.
+
+  At the top level, or in the body of a top-level ``for`` loop.
+  """
+  found = []
+  for top in ast.parse(code).body:
+    for stmt in (top.body if isinstance(top, ast.For) else [top]):
+      call = getattr(stmt, "value", None)
+      if not (isinstance(stmt, ast.Assign) and isinstance(call, ast.Call) and isinstance(call.func, ast.Name)):
+        continue
+      if hasattr(namespace.get(call.func.id), "_cache_size") and _names(ast.Tuple(stmt.targets)) & set().union(
+          *(_names(a) for a in call.args)):
+        found.append((stmt, call.func.id))
+  return found
+
+
+def check_compiles_once(code: str, namespace: dict, filename: str) -> None:
+  """Each train step of the block runs once more, fed its results, and holds one compiled program."""
+  with contextlib.redirect_stdout(io.StringIO()):
+    for stmt, name in train_steps(code, namespace):
+      exec(compile(ast.Module([stmt], type_ignores=[]), filename, "exec"), namespace)  # noqa: S102
+      assert namespace[name]._cache_size() == 1, (
+          f"{filename}: `{name}` compiled {namespace[name]._cache_size()} programs when run in a loop")
 
 
 EXAMPLES = python_examples()
@@ -129,7 +168,31 @@ def test_every_python_block_is_found():
 def test_example_runs(page, line, code, printed, request):
   if "gpu_compile" in code:  # compiles for a GPU: needs JAX's CUDA plugin (tests/conftest.py)
     request.getfixturevalue("cuda_compiler_plugin")
-  run_example(code, example_id(page, line), printed)
+  namespace = run_example(code, example_id(page, line), printed)
+  check_compiles_once(code, namespace, example_id(page, line))
+
+
+def jitted_names(code: str) -> set[str]:
+  """Names a block binds to a jitted function: ``f = jax.jit(...)`` or ``@jax.jit`` (read from the code)."""
+  names = set()
+  for node in ast.walk(ast.parse(code)):
+    if isinstance(node, ast.Assign) and "jax.jit(" in ast.unparse(node.value).replace(" ", "")[:8]:
+      names |= {t.id for t in node.targets if isinstance(t, ast.Name)}
+    if isinstance(node, ast.FunctionDef) and any("jax.jit" in ast.unparse(d) for d in node.decorator_list):
+      names.add(node.name)
+  return names
+
+
+def test_the_compile_once_check_reaches_the_train_steps():
+  """Read from the code: the pages' train steps that check_compiles_once reruns (and the attribute it reads)."""
+  import jax
+  assert jax.jit(lambda x: x)._cache_size() == 0  # what check_compiles_once counts with
+  steps = {}
+  for page, line, code, _ in SINGLE:
+    jitted = jitted_names(code)
+    steps[example_id(page, line)] = [name for _, name in train_steps(code, dict.fromkeys(jitted, jax.jit(abs)))]
+  assert sum(map(len, steps.values())) >= 8, steps
+  assert any(steps[k] for k in steps if "streaming.md" in k) and any(steps[k] for k in steps if "README" in k), steps
 
 
 def multi_host_env(coordinator: str, process_id: int) -> dict[str, str]:

@@ -72,6 +72,7 @@ def tmp_file():
   return path
 
 
+HOST_MEMORY = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="pinned_host")
 PARAMS_BF16 = jax.tree.map(lambda x: x.astype(jnp.bfloat16), PARAMS)
 GRADS_BF16 = jax.tree.map(lambda x: x.astype(jnp.bfloat16), GRADS)
 
@@ -283,10 +284,22 @@ TRIGGERS = {
 STACKED = {"embed": jnp.ones((3, 4)), "layers": {"w": jnp.ones((2, 4, 4)), "gain": jnp.ones(2)}}
 
 
-def step_in_backward(tx, params=STACKED, head=lambda rest, x, b: x.sum(), **kw):
-  step = optax_hybrid.step_in_backward(tx, lambda rest, b: rest["embed"][b],
-                                       lambda x, p, b: x @ p["w"] * p["gain"], head, **kw)
-  return jax.jit(step)(params, tx.init(params), jnp.array([0, 1]))
+def step_in_backward(tx, params=STACKED, head=lambda rest, x, b: x.sum(), embed=lambda rest, b: rest["embed"][b],
+                     layer=lambda x, p, rest, b: x @ p["w"] * p["gain"], state=None, **kw):
+  step = optax_hybrid.step_in_backward(tx, embed, layer, head, **kw)
+  return jax.jit(step)(params, tx.init(params) if state is None else state, jnp.array([0, 1]))
+
+
+def step_in_backward_results_unpacked_in_the_old_order():
+  tx = hybrid()
+  loss, params, state = jax.jit(optax_hybrid.step_in_backward(
+      tx, lambda rest, b: rest["embed"][b], lambda x, p, rest, b: x @ p["w"] * p["gain"],
+      lambda rest, x, b: x.sum()))(STACKED, tx.init(STACKED), jnp.array([0, 1]))
+  return step_in_backward(tx, params=params, state=state)
+
+
+def scan_layers(layer=lambda c, p: jnp.tanh(c @ p["w"]), layers=STACKED["layers"], **kw):
+  return optax_hybrid.scan_layers(layer, jnp.ones((2, 4)), layers, **kw)
 
 
 def split_layers_state():
@@ -308,6 +321,22 @@ TRIGGERS.update({
     "backward-tier": lambda: step_in_backward(hybrid(tiers="host")),
     "backward-loss": lambda: step_in_backward(hybrid(), head=lambda rest, x, b: x.sum(-1)),
     "backward-skip-nonfinite": lambda: step_in_backward(hybrid(skip_nonfinite=True)),
+    "backward-results-order": step_in_backward_results_unpacked_in_the_old_order,
+    "backward-layer-fn-args": lambda: step_in_backward(hybrid(), layer=lambda x, p: x @ p["w"]),
+    "backward-closed-over-param": lambda: step_in_backward(
+        hybrid(), layer=lambda x, p, rest, b: x @ p["w"] + STACKED["embed"][0]),
+    "backward-xs-length": lambda: step_in_backward(
+        hybrid(), layer=lambda x, p, key, rest, b: x @ p["w"],
+        xs=lambda rest, b: jax.random.split(jax.random.key(0), 3)),
+    "embed-fn-carry": lambda: step_in_backward(hybrid(), embed=lambda rest, b: None),
+    "layer-fn-carry": lambda: scan_layers(layer=lambda c, p: jnp.tanh(c @ p["w"]).astype(jnp.bfloat16)),
+    "layer-fn-scan-pair": lambda: step_in_backward(hybrid(), layer=lambda x, p, rest, b: (x @ p["w"], None)),
+    "scan-layers-empty": lambda: scan_layers(layers={}),
+    "scan-layers-length": lambda: scan_layers(layers={"w": jnp.ones((2, 4, 4)), "gain": jnp.ones(3)}),
+    "scan-layers-xs-length": lambda: scan_layers(layer=lambda c, p, x: c @ p["w"] * x, xs=jnp.ones(3)),
+    "clip-max-norm": lambda: optax_hybrid.clip_by_global_norm(0.0),
+    "optax-clip-host": lambda: jax.jit(optax.clip_by_global_norm(1.0).update)(
+        {"w": jax.device_put(jnp.ones(3), HOST_MEMORY), "b": jnp.ones(2)}, optax.EmptyState()),
     "begin-step-by-rows": lambda: hybrid().begin_step(STACKED, hybrid().init(STACKED), {"layers": True}),
     "begin-step-scalar": lambda: hybrid().begin_step({"s": jnp.ones(())}, hybrid().init({"s": jnp.ones(())}),
                                                      {"s": True}),

@@ -507,7 +507,7 @@ def test_report_peaks_and_dict():
       device_alias_bytes=150, host_argument_bytes=4000, host_output_bytes=500, host_temp_bytes=60,
       host_alias_bytes=400, kernels=3, triton_launches=1, transfers=2, host_calls=0, kernel_bytes=77,
       kernel_ops={"fusion": 3}, warnings=["w1"], transfer_bytes=9, to_device_bytes=5, to_host_bytes=4,
-      parameter_shardings=["{replicated}"], output_shardings=["{devices=[2]<=[2]}"],
+      parameter_shardings=["{replicated}"], output_shardings=["{devices=[2]<=[2]}"], collective_bytes={},
       device_peak_bytes=1080, host_peak_bytes=4160)
   assert "the hlo" not in repr(report) and "the log" not in repr(report)
 
@@ -612,3 +612,39 @@ def test_a_slice_of_a_buffer_just_updated_in_place_is_a_fetch():
       "dynamic-slice-start.49.0.double_buffer_clone", "((f32[3,4]{1,0:S(5)}, s32[]), f32[1,4]{1,0}, u32[])",
       "fusion-start", "%dynamic-update-slice-done.49.0, %i), kind=kCustom, calls=%wrapped_dynamic-slice_computation.3")
   assert gpu_compile.transfer_of(ins, shapes) == (16, 0)
+
+
+COLLECTIVES = """HloModule collectives, is_scheduled=true
+
+%layer (t: (s32[], bf16[4,64,16])) -> (s32[], bf16[4,64,16]) {
+  %t = (s32[], bf16[4,64,16]{2,1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%t), index=0
+  %shard = bf16[8,16]{1,0} parameter(1)
+  %gathered = bf16[64,16]{1,0} all-gather(%shard), channel_id=1, replica_groups=[1,8]<=[8], dimensions={0}
+  %partial = f32[64,16]{1,0} fusion(%gathered), kind=kLoop, calls=%grad
+  %rs-start = ((f32[64,16]{1,0}), f32[8,16]{1,0}) async-start(%partial), calls=%scatter
+  %rs-done = f32[8,16]{1,0} async-done(%rs-start)
+  ROOT %r = (s32[], bf16[4,64,16]{2,1,0}) tuple(%i, %t)
+}
+
+%scatter (p: f32[64,16]) -> f32[8,16] {
+  %p = f32[64,16]{1,0} parameter(0)
+  ROOT %rs = f32[8,16]{1,0} reduce-scatter(%p), channel_id=2, replica_groups=[1,8]<=[8], dimensions={0}, to_apply=%add
+}
+
+ENTRY %main (s: (s32[], bf16[4,64,16])) -> (s32[], bf16[4,64,16]) {
+  %s = (s32[], bf16[4,64,16]{2,1,0}) parameter(0)
+  %x = f32[128]{0} parameter(1)
+  %ar-start = f32[128]{0} all-reduce-start(%x), channel_id=3, replica_groups=[1,8]<=[8], to_apply=%add
+  %ar-done = f32[128]{0} all-reduce-done(%ar-start)
+  ROOT %loop = (s32[], bf16[4,64,16]{2,1,0}) while(%s), condition=%cond, body=%layer, backend_config={"known_trip_count":{"n":"4"}}
+}
+"""
+
+
+def test_collective_bytes_per_gpu_count_each_trip():
+  # Per trip of 4: an all-gather into 64 x 16 bf16 (2,048 B) and an asynchronous reduce-scatter of 64 x 16 f32
+  # (4,096 B, its operand: the larger side); once, an all-reduce of 128 f32 (512 B). The -done ops add nothing.
+  summary = gpu_compile.count_hlo(COLLECTIVES)
+  assert summary.collective_bytes == {"all-gather": 4 * 64 * 16 * 2, "all-reduce": 128 * 4,
+                                      "reduce-scatter": 4 * 64 * 16 * 4}

@@ -11,7 +11,6 @@ import pytest
 from flax import nnx
 
 import optax_hybrid
-from optax_hybrid.recipe import _clip_by_global_norm  # noqa: E402 - the stage under test
 from optax_hybrid.recipe import (
     LearningRateState,
     flax_weight_decay_rule,
@@ -507,7 +506,7 @@ def test_clipping_equals_optax_for_gradients_in_host_memory(scale):
   placed = dict(grads, layers=jax.device_put(grads["layers"], host))
 
   def clipped(g):  # the recipe's clipping stage (standard_optimizer's first)
-    return _clip_by_global_norm(1.0).update(g, optax.EmptyState())[0]
+    return optax_hybrid.clip_by_global_norm(1.0).update(g, optax.EmptyState())[0]
 
   got = jax.jit(clipped)(placed)
   assert got["layers"].sharding.memory_kind == "pinned_host"
@@ -515,6 +514,37 @@ def test_clipping_equals_optax_for_gradients_in_host_memory(scale):
     np.testing.assert_allclose(np.asarray(got[key], np.float32), np.asarray(expected[key], np.float32), rtol=1e-6)
   jaxpr = jax.make_jaxpr(clipped)(placed)
   assert optax_hybrid.host_arithmetic_outside_host_compute(jaxpr) == []
+
+
+def test_our_clip_in_optax_chain_steps_host_resident_params_as_optax_does_on_the_device():
+  """optax.chain(optax_hybrid.clip_by_global_norm, hybrid_adamw(tiers="host")) on streamed layers in host memory."""
+  host = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="pinned_host")
+  params = {"proj": jnp.linspace(-0.5, 0.5, 16).reshape(4, 4),
+            "layers": jax.device_put(jnp.stack([jnp.eye(4) * (1 + 0.1 * i) for i in range(3)]), host)}
+  x = jnp.linspace(-1.0, 1.0, 8).reshape(2, 4)
+
+  def loss(p, scale):
+    return scale * jnp.mean(optax_hybrid.scan_layers(lambda c, w: jnp.tanh(c @ w), x @ p["proj"], p["layers"]) ** 2)
+
+  tx = optax.chain(optax_hybrid.clip_by_global_norm(0.5), optax_hybrid.hybrid_adamw(1e-2, tiers="host"))
+
+  @jax.jit
+  def step(p, s, scale):
+    updates, s = tx.update(jax.grad(loss)(p, scale), s, p)
+    return optax_hybrid.apply_updates(p, updates), s
+
+  ref_tx = optax.chain(optax.clip_by_global_norm(0.5), optax.adamw(1e-2))
+  ref = jax.device_put(params, jax.memory.Space.Device)
+  ref_state, state = ref_tx.init(ref), tx.init(params)
+  for scale in (0.1, 50.0, 0.1, 50.0):  # under the norm, then clipped
+    params, state = step(params, state, scale)
+    updates, ref_state = ref_tx.update(jax.grad(loss)(ref, scale), ref_state, ref)
+    ref = optax.apply_updates(ref, updates)
+  assert params["layers"].sharding.memory_kind == "pinned_host"
+  assert_trees_close(params, ref, rtol=1e-5, atol=1e-6)
+  assert optax_hybrid.host_arithmetic_outside_host_compute(jax.make_jaxpr(step)(params, state, 1.0)) == []
+  with pytest.raises(ValueError, match="memory_space of all inputs"):  # docs/errors.md, row optax-clip-host
+    jax.jit(lambda p: optax.clip_by_global_norm(0.5).update(jax.grad(loss)(p, 1.0), optax.EmptyState()))(params)
 
 
 @pytest.mark.parametrize("options,message", [

@@ -30,7 +30,8 @@ def make_params(dtype=jnp.float32, layers_on_host=True):
   if layers_on_host:
     stack = jax.device_put(stack, HOST)
   return {"embed": (jax.random.normal(k[3], (V, D)) * 0.5).astype(dtype),
-          "head": (jax.random.normal(k[4], (D, V)) * 0.3).astype(dtype), "layers": stack}
+          "head": (jax.random.normal(k[4], (D, V)) * 0.3).astype(dtype), "layers": stack,
+          "scale": jnp.linspace(0.8, 1.2, D).astype(dtype)}  # read by every layer: its gradient summed over them
 
 
 def batch_of(seed):
@@ -42,9 +43,9 @@ def embed(rest, batch):
   return rest["embed"][batch["inputs"]]
 
 
-def layer(x, p, batch):
+def layer(x, p, rest, batch):
   del batch
-  return x + jnp.tanh((x @ p["w"] + p["b"]) * p["gain"]).astype(x.dtype)
+  return x + jnp.tanh((x @ p["w"] + p["b"]) * p["gain"] * rest["scale"]).astype(x.dtype)
 
 
 def head(rest, x, batch):
@@ -54,13 +55,13 @@ def head(rest, x, batch):
 
 def loss_by_scan_layers(params, batch):
   rest = {k: v for k, v in params.items() if k != "layers"}
-  x = optax_hybrid.scan_layers(lambda c, p: layer(c, p, batch), embed(rest, batch), params["layers"])
+  x = optax_hybrid.scan_layers(layer, embed(rest, batch), params["layers"], args=(rest, batch))
   return head(rest, x, batch)
 
 
 def loss_by_lax_scan(params, batch):
   rest = {k: v for k, v in params.items() if k != "layers"}
-  body = jax.checkpoint(lambda c, p: (layer(c, p, batch), None))
+  body = jax.checkpoint(lambda c, p: (layer(c, p, rest, batch), None))
   x = jax.lax.scan(body, embed(rest, batch), jax.device_put(params["layers"], jax.memory.Space.Device))[0]
   return head(rest, x, batch)
 
@@ -69,7 +70,7 @@ def reference_step(tx, loss_fn):
   def train_step(params, state, batch):
     loss, grads = jax.value_and_grad(loss_fn)(params, batch)
     params, state = tx.step(params, state, grads)
-    return loss, params, state
+    return params, state, loss
   return jax.jit(train_step)
 
 
@@ -78,7 +79,7 @@ def run(train_step, tx, params, steps=3):
   params = optax_hybrid.commit(params)
   losses = []
   for i in range(steps):
-    loss, params, state = train_step(params, state, batch_of(i))
+    params, state, loss = train_step(params, state, batch_of(i))
     losses.append(float(loss))
   assert train_step._cache_size() == 1  # committed inputs: one compile for every step
   return losses, params, state
@@ -139,3 +140,183 @@ def test_float32_numbers_match_optax_adamw_on_a_plain_lax_scan():
   np.testing.assert_allclose(losses, ref_losses, rtol=1e-6)
   for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(ours), jax.tree.leaves(ref)):
     np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-6, err_msg=jax.tree_util.keystr(path))
+
+
+# --- Flax params: nnx.State from nnx.split of layers made with nnx.vmap, Linen's FrozenDict ---
+
+NNX_L, NNX_D, NNX_V = 3, 8, 11
+
+
+def nnx_model():
+  from flax import nnx
+
+  class Block(nnx.Module):
+    def __init__(self, rngs):
+      self.lin = nnx.Linear(NNX_D, NNX_D, rngs=rngs)
+
+    def __call__(self, x, scale):
+      return x + jnp.tanh(self.lin(x) * scale)
+
+  class Model(nnx.Module):
+    def __init__(self, rngs):
+      self.embed = nnx.Embed(NNX_V, NNX_D, rngs=rngs)
+      self.scale = nnx.Param(jnp.linspace(0.8, 1.5, NNX_D))  # every layer reads it
+
+      @nnx.split_rngs(splits=NNX_L)
+      @nnx.vmap(in_axes=(0,), out_axes=0)
+      def stacked(rngs):
+        return Block(rngs)
+
+      self.layers = stacked(rngs)
+      self.head = nnx.Linear(NNX_D, NNX_V, rngs=rngs)
+
+  return Model(nnx.Rngs(0))
+
+
+def nnx_parts(block_def):
+  """embed, layer and head of the NNX model, each running its own NNX modules (nnx.merge)."""
+  from flax import nnx
+  embed = lambda rest, batch: rest["embed"]["embedding"][...][batch["inputs"]]
+  layer = lambda x, p, rest, batch: nnx.merge(block_def, p)(x, rest["scale"][...])
+  head = lambda rest, x, batch: optax.softmax_cross_entropy_with_integer_labels(
+      x @ rest["head"]["kernel"][...] + rest["head"]["bias"][...], batch["targets"]).mean()
+  return embed, layer, head
+
+
+def nnx_reference(pure, steps):
+  """The same model by hand on plain arrays, its layers by jax.lax.scan, stepped by optax.adamw."""
+  def loss_fn(p, batch):
+    def body(x, lin):
+      return x + jnp.tanh((x @ lin["kernel"] + lin["bias"]) * p["scale"]), None
+    x = jax.lax.scan(jax.checkpoint(body), p["embed"]["embedding"][batch["inputs"]], p["layers"]["lin"])[0]
+    logits = x @ p["head"]["kernel"] + p["head"]["bias"]
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean()
+
+  tx = optax.adamw(1e-2, weight_decay=0.1)
+  state, losses = tx.init(pure), []
+  for i in range(steps):
+    loss, grads = jax.value_and_grad(loss_fn)(pure, batch_of_nnx(i))
+    updates, state = tx.update(grads, state, pure)
+    pure = optax.apply_updates(pure, updates)
+    losses.append(float(loss))
+  return losses, pure
+
+
+def batch_of_nnx(seed):
+  k1, k2 = jax.random.split(jax.random.key(200 + seed))
+  return {"inputs": jax.random.randint(k1, (B,), 0, NNX_V), "targets": jax.random.randint(k2, (B,), 0, NNX_V)}
+
+
+def test_nnx_state_params_train_against_optax_adamw_on_a_plain_lax_scan():
+  """step_in_backward and scan_layers + tx.step take nnx.State params and return nnx.State."""
+  from flax import nnx
+  model = nnx_model()
+  _, params = nnx.split(model, nnx.Param)
+  params["layers"] = jax.device_put(params["layers"], HOST)
+  embed, layer, head = nnx_parts(nnx.graphdef(model.layers))
+  tx = optax_hybrid.hybrid_adamw(1e-2, weight_decay=0.1, tiers="host_state")
+  ref_losses, ref = nnx_reference(jax.device_put(nnx.to_pure_dict(params), jax.memory.Space.Device), 3)
+
+  def loss_fn(p, batch):  # the same model through scan_layers, the layer function shared with step_in_backward
+    rest = nnx.State({k: v for k, v in p.items() if k != "layers"})
+    return head(rest, optax_hybrid.scan_layers(layer, embed(rest, batch), p["layers"], args=(rest, batch)), batch)
+
+  def value_and_grad_step(p, s, batch):
+    loss, grads = jax.value_and_grad(loss_fn)(p, batch)
+    assert type(grads) is nnx.State and type(grads["layers"]) is nnx.State
+    p, s = tx.step(p, s, grads)
+    return p, s, loss
+
+  for train_step in (optax_hybrid.step_in_backward(tx, embed, layer, head), value_and_grad_step):
+    state = optax_hybrid.commit(tx.init(params))
+    p, losses, step = optax_hybrid.commit(jax.tree.map(jnp.copy, params)), [], jax.jit(train_step)
+    for i in range(3):
+      p, state, loss = step(p, state, batch_of_nnx(i))
+      losses.append(float(loss))
+    assert step._cache_size() == 1
+    assert type(p) is nnx.State and jax.tree.structure(p) == jax.tree.structure(params)
+    assert {x.sharding.memory_kind for x in jax.tree.leaves(p["layers"])} == {"pinned_host"}
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-6)
+    for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(nnx.to_pure_dict(p)), jax.tree.leaves(ref)):
+      np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-6,
+                                 err_msg=jax.tree_util.keystr(path))
+  nnx.update(model, p)  # the model takes the trained params back
+  np.testing.assert_array_equal(np.asarray(model.scale[...]), np.asarray(p["scale"][...]))
+
+
+def test_frozen_dict_params_come_back_as_frozen_dicts_with_the_dict_numbers():
+  from flax.core import FrozenDict
+  tx = optax_hybrid.hybrid_adamw(1e-2, weight_decay=0.1)
+  step = jax.jit(optax_hybrid.step_in_backward(tx, embed, layer, head))
+  out = {}
+  for kind in (dict, FrozenDict):
+    params = kind(make_params(layers_on_host=False))
+    out[kind] = step(params, tx.init(params), batch_of(0))
+    assert type(out[kind][0]) is kind
+  assert_equal_trees(dict(out[FrozenDict][0]), out[dict][0], "params")
+
+
+# --- per-layer inputs, the old convention, the results' order ---
+
+
+def test_per_layer_inputs_reach_each_layer_as_in_a_lax_scan_over_them():
+  """``xs``: a dropout key per layer, as ``jax.lax.scan`` over (layers, keys) would give them."""
+  def dropped(x, p, key, rest, batch):
+    keep = jax.random.bernoulli(key, 0.8, x.shape)
+    return jnp.where(keep, layer(x, p, rest, batch) / 0.8, 0.0)
+
+  keys_of = lambda rest, batch: jax.random.split(batch["key"], L)
+  tx = optax_hybrid.hybrid_adamw(1e-2, weight_decay=0.1)
+  params = make_params(layers_on_host=False)
+  batch = dict(batch_of(0), key=jax.random.key(7))
+  ours, _, loss = jax.jit(optax_hybrid.step_in_backward(tx, embed, dropped, head, xs=keys_of))(
+      params, tx.init(params), batch)
+
+  def loss_fn(params, batch):
+    rest = {k: v for k, v in params.items() if k != "layers"}
+    body = jax.checkpoint(lambda c, a: (dropped(c, *a, rest, batch), None))
+    x = jax.lax.scan(body, embed(rest, batch), (params["layers"], keys_of(rest, batch)))[0]
+    return head(rest, x, batch)
+
+  ref_loss, grads = jax.jit(jax.value_and_grad(loss_fn))(params, batch)
+  ref, _ = jax.jit(tx.step)(params, tx.init(params), grads)
+  np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-6)
+  jax.tree.map(lambda x, y: np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-6),
+               ours, ref)
+
+
+def test_the_old_convention_still_runs_for_one_release_with_a_deprecation_warning():
+  """``layer_fn(carry, layer, batch)`` and results ``(loss, params, opt_state)``: the same numbers, warned."""
+  tx = optax_hybrid.hybrid_adamw(1e-2)
+  params = make_params(layers_on_host=False)
+  fixed = {"scale": np.asarray(params["scale"])}  # the old layer_fn got no `rest`: a NumPy constant instead
+  with pytest.warns(DeprecationWarning, match=r"layer_fn\(carry, layer, rest, batch\)"):
+    old = optax_hybrid.step_in_backward(tx, embed, lambda x, p, batch: layer(x, p, fixed, batch), head)
+  loss, new_params, new_state = jax.jit(old)(params, tx.init(params), batch_of(0))
+  expected = jax.jit(optax_hybrid.step_in_backward(tx, embed, lambda x, p, rest, batch: layer(x, p, fixed, batch),
+                                                   head))(params, tx.init(params), batch_of(0))
+  assert_equal_trees((new_params, new_state, loss), expected, "")
+
+
+def test_which_layer_functions_are_read_as_the_old_convention():
+  import warnings
+  from optax_hybrid import user_fns
+
+  def old_with_a_flag(x, p, batch, deterministic=False):
+    return x
+
+  def read(fn, xs=False):
+    with warnings.catch_warnings(record=True) as caught:
+      warnings.simplefilter("always")
+      _, old = user_fns.layer_fn_of_step("step_in_backward", fn, xs)
+    assert old == any(issubclass(w.category, DeprecationWarning) for w in caught)
+    return old
+
+  assert read(lambda x, p, rest, batch: x) is False
+  assert read(lambda x, p, *inputs: x) is False
+  assert read(lambda x, p, key, rest, batch: x, xs=True) is False
+  assert read(lambda x, p, batch: x) is True
+  assert read(old_with_a_flag) is True
+  for fn, xs in ((lambda x, p: x, False), (lambda x, p, rest, batch: x, True)):
+    with pytest.raises(TypeError, match="`layer_fn` must take"):
+      read(fn, xs)
