@@ -1289,9 +1289,9 @@ constexpr int kSlots = 4;
 
 ffi::Error AdamWPackedImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> scalars, ffi::Buffer<ffi::F32> code_tables,
                            ffi::RemainingArgs args, ffi::RemainingRets rets, int32_t adamw_mode,
-                           int32_t write_params, int32_t block_size, int32_t n_pools,
-                           ffi::Span<const int32_t> decay, ffi::Span<const int32_t> has_param,
-                           ffi::Span<const int32_t> quantized, ffi::Span<const int32_t> slot_pool,
+                           int32_t write_params, int32_t block_size, ffi::Span<const int32_t> decay,
+                           ffi::Span<const int32_t> has_param, ffi::Span<const int32_t> quantized,
+                           int32_t n_pools, ffi::Span<const int32_t> slot_pool,
                            ffi::Span<const int64_t> slot_offset) {
   if (kIsa.variant == nullptr) return ffi::Error::InvalidArgument(kIsa.problem);
   const size_t n_leaves = decay.size();
@@ -1367,34 +1367,31 @@ ffi::Error AdamWPackedImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> scalars, 
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(OptaxHybridAdamWCpu, AdamWImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // scalars
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // code tables
-                                  .RemainingArgs()
-                                  .RemainingRets()
-                                  .Attr<int32_t>("adamw_mode")
-                                  .Attr<int32_t>("write_params")
-                                  .Attr<int32_t>("block_size")
-                                  .Attr<ffi::Span<const int32_t>>("decay")
-                                  .Attr<ffi::Span<const int32_t>>("has_param")
-                                  .Attr<ffi::Span<const int32_t>>("quantized"));
+namespace {
+
+// What both calls take, in this order; the packed call adds its pools' attributes.
+auto adamw_binding() {
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::ThreadPool>()
+      .Arg<ffi::Buffer<ffi::F32>>()  // scalars
+      .Arg<ffi::Buffer<ffi::F32>>()  // code tables
+      .RemainingArgs()
+      .RemainingRets()
+      .Attr<int32_t>("adamw_mode")
+      .Attr<int32_t>("write_params")
+      .Attr<int32_t>("block_size")
+      .Attr<ffi::Span<const int32_t>>("decay")
+      .Attr<ffi::Span<const int32_t>>("has_param")
+      .Attr<ffi::Span<const int32_t>>("quantized");
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(OptaxHybridAdamWCpu, AdamWImpl, adamw_binding());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(OptaxHybridAdamWPackedCpu, AdamWPackedImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // scalars
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // code tables
-                                  .RemainingArgs()
-                                  .RemainingRets()
-                                  .Attr<int32_t>("adamw_mode")
-                                  .Attr<int32_t>("write_params")
-                                  .Attr<int32_t>("block_size")
+                              adamw_binding()
                                   .Attr<int32_t>("n_pools")
-                                  .Attr<ffi::Span<const int32_t>>("decay")
-                                  .Attr<ffi::Span<const int32_t>>("has_param")
-                                  .Attr<ffi::Span<const int32_t>>("quantized")
                                   .Attr<ffi::Span<const int32_t>>("slot_pool")
                                   .Attr<ffi::Span<const int64_t>>("slot_offset"));
 
