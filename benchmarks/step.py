@@ -78,6 +78,7 @@ import os
 import platform
 import random
 import re
+import shlex
 import shutil
 import statistics
 import subprocess
@@ -390,6 +391,7 @@ def main(argv=None):
   if importlib.util.find_spec("torch") is None:
     torch_policies = []
   torch_note = "torch in its own process" if torch_policies else "torch not installed or not timed"
+  print("command: python " + " ".join(shlex.quote(a) for a in [os.path.relpath(__file__), *argv]))
   print(f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores; jax {jax.__version__}, "
         f"optax {optax.__version__}, {torch_note}; native kernel: "
         f"{f'built, isa {native_cpu.isa()}' if native_cpu.available() else native_cpu.why_unavailable()}; "
