@@ -1211,6 +1211,14 @@ ffi::Error run_leaves(ffi::ThreadPool& pool, const std::vector<Leaf>& leaves, co
   return ffi::Error::Success();
 }
 
+// A call's scalars, and its code tables when some leaf is 8-bit.
+ffi::Error read_constants(const ffi::Buffer<ffi::F32>& scalars, const ffi::Buffer<ffi::F32>& code_tables,
+                          int32_t block_size, ffi::Span<const int32_t> quantized, Scalars* s, QuantTables* tables) {
+  if (auto e = read_scalars(scalars, s); e.failure()) return e;
+  const bool any_quantized = std::any_of(quantized.begin(), quantized.end(), [](int32_t q) { return q != 0; });
+  return read_tables(code_tables, block_size, any_quantized, tables);
+}
+
 // A result updated in place: copied in first when XLA did not alias it.
 void* in_place(const ffi::AnyBuffer& in, ffi::Result<ffi::AnyBuffer>& out) {
   if (out->untyped_data() != in.untyped_data()) std::memcpy(out->untyped_data(), in.untyped_data(), in.size_bytes());
@@ -1231,10 +1239,8 @@ ffi::Error AdamWImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> scalars, ffi::B
     return ffi::Error::InvalidArgument("optax_hybrid adamw: inconsistent leaf counts");
   }
   Scalars s;
-  if (auto e = read_scalars(scalars, &s); e.failure()) return e;
   QuantTables tables{};
-  const bool any_quantized = std::any_of(quantized.begin(), quantized.end(), [](int32_t q) { return q != 0; });
-  if (auto e = read_tables(code_tables, block_size, any_quantized, &tables); e.failure()) return e;
+  if (auto e = read_constants(scalars, code_tables, block_size, quantized, &s, &tables); e.failure()) return e;
 
   std::vector<Leaf> leaves(n_leaves);
   size_t arg = 0, ret = 0;
@@ -1302,10 +1308,8 @@ ffi::Error AdamWPackedImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> scalars, 
     return ffi::Error::InvalidArgument("optax_hybrid adamw packed: inconsistent leaf or pool counts");
   }
   Scalars s;
-  if (auto e = read_scalars(scalars, &s); e.failure()) return e;
   QuantTables tables{};
-  const bool any_quantized = std::any_of(quantized.begin(), quantized.end(), [](int32_t q) { return q != 0; });
-  if (auto e = read_tables(code_tables, block_size, any_quantized, &tables); e.failure()) return e;
+  if (auto e = read_constants(scalars, code_tables, block_size, quantized, &s, &tables); e.failure()) return e;
 
   // The pools, in place.
   std::vector<char*> pool_data(n_pools);
