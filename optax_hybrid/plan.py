@@ -188,6 +188,9 @@ class Plan:
       sees Python zeros, and the two states must compare equal (Optax's
       ``AliasTest``). Steps traced for either compute the same numbers while
       the injected values stay zero.
+    layout: with ``state_layout="packed"``, where each leaf's state is in the
+      state's flat buffers (:class:`optax_hybrid.packing.Layout`, made by
+      ``init``); None: one array per leaf.
     field_names: the names of ``fields`` (derived, as the rest below).
     empty: ``{params-shaped attribute: indices of the leaves that keep an
       empty entry there}`` for every field, its ``_scales`` and ``master``
@@ -203,6 +206,7 @@ class Plan:
   fields: tuple = ()
   owner: str = "hybrid_adamw"
   static_zeros: frozenset = frozenset()
+  layout: Any = None
 
   field_names: tuple = dataclasses.field(init=False, repr=False)
   empty: dict = dataclasses.field(init=False, repr=False)
@@ -212,7 +216,8 @@ class Plan:
   def __post_init__(self):
     # A jitted step hashes its arguments' tree structure on every call, and
     # the plan is part of it: hash once.
-    object.__setattr__(self, "_key", (self.leaves, self.kernel, self.split, self.mesh, self.fields, self.owner))
+    object.__setattr__(self, "_key", (self.leaves, self.kernel, self.split, self.mesh, self.fields, self.owner,
+                                      self.layout))
     object.__setattr__(self, "_hash", hash(self._key))
     # What every step reads, derived once.
     names = tuple(f.name for f in self.fields)
