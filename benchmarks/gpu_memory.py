@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import json
 import math
 import os
@@ -642,7 +643,8 @@ def keep_probe(args: list[str], figures: dict) -> dict:
 def largest_within(setup: str, target: str, host_limit: float, probes: dict, first: int, second: int,
                    devices: int = 1) -> dict:
   """The deepest model whose step fits both limits (per GPU): predicted from two depths (memory grows linearly with
-  depth for scanned layers), then checked by compiling it and the next depth."""
+  depth for scanned layers), then checked by compiling it and the next depth; a wrong prediction is refined by the
+  line through the closest depths that fit and do not (three times, then by halves)."""
   device_limit = LIMIT * gpu_compile.target_device_memory_bytes(target)
 
   def probe(layers):
@@ -655,24 +657,32 @@ def largest_within(setup: str, target: str, host_limit: float, probes: dict, fir
     r = probe(layers)
     return r["device"] <= device_limit and r["host"] <= host_limit
 
-  a, b = probe(first), probe(second)
-  within = [first + (limit - a[key]) * (second - first) / (b[key] - a[key])
-            for key, limit in (("device", device_limit), ("host", host_limit)) if b[key] > a[key]]
-  depth = max(1, int(min(within)))
-  # The prediction brackets the answer within a few layers (XLA's plan is not exactly linear in depth):
-  # widen the bracket from it by doubling steps, then bisect.
-  step = 1
+  def depth_between(lo, hi):
+    """Where the binding limit is crossed, by the line through two compiled depths."""
+    a, b = probe(lo), probe(hi)
+    crossings = [lo + (limit - a[key]) * (hi - lo) / (b[key] - a[key])
+                 for key, limit in (("device", device_limit), ("host", host_limit)) if b[key] > a[key]]
+    return int(min(crossings)) if crossings else hi
+
+  depth = max(1, depth_between(first, second))
+  # The prediction is usually right within a layer; where XLA's plan is not linear in depth, the line through
+  # the bracket's ends predicts again (a few compiles, where bisecting a wrong guess takes ten).
   if fits(depth):
-    lo, hi = depth, depth + 1
+    lo, hi, step = depth, depth + 1, 1
     while fits(hi):
       lo, hi, step = hi, hi + step, step * 2
   else:
-    lo, hi = max(1, depth - 1), depth
-    while lo > 1 and not fits(lo):
-      lo, hi, step = max(1, lo - step), lo, step * 2
-  while hi - lo > 1:
-    mid = (lo + hi) // 2
-    lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    lo, hi = (second if fits(second) else 1), depth
+  for tries in itertools.count():
+    if hi - lo <= 1:
+      break
+    guess = min(max(depth_between(lo, hi), lo + 1), hi - 1) if tries < 3 else (lo + hi) // 2
+    if not fits(guess):
+      hi = guess
+    elif guess + 1 < hi:  # the line is usually right: the next depth closes the bracket
+      lo, hi = (guess + 1, hi) if fits(guess + 1) else (guess, guess + 1)
+    else:
+      lo = guess
   return dict(probe(lo), host_limit=host_limit, device_limit=device_limit, fits=fits(lo))
 
 

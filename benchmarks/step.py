@@ -4,6 +4,7 @@
                               [--dtype float32] [--compare-library LABEL=PATH ...] [--compare-isa avx2 ...]
                               [--moment-formats float32,8bit] [--variants 'native.*tx.step']
                               [--torch default,passive] [--pass-through] [--loop SECONDS]
+                              [--layouts leaves,packed] [--master float32]
 
 Trees: one leaf of 16M params; 1024 leaves of 16K; the GPT-2-small shapes
 (124M params, 148 leaves; --scale shrinks every dimension's product by that
@@ -55,6 +56,11 @@ time it with the step.py of its own commit.
 --compare-isa NAME (repeatable): the installed build with its work loop forced to
 that instruction set (a copy of it, loaded with OPTAX_HYBRID_NATIVE_ISA=NAME),
 as "ours native isa NAME" rows.
+--layouts leaves,packed: our variants once per state layout (``packed``:
+``state_layout="packed"``, the state in a few flat buffers; device moments;
+rows "ours KERNEL packed, ..."). --master float32 (or kahan, stochastic): our
+variants with master weights (with --dtype bfloat16: bf16 params, a float32
+master copy, float32 moments).
 --moment-formats: our variants once per moment format (``8bit``: 8-bit
 block-wise moments, rows named "... 8bit moments ..."; the GB/s column still
 counts the float32 step's bytes). --variants: only the variants whose names
@@ -72,6 +78,7 @@ import os
 import platform
 import random
 import re
+import shlex
 import shutil
 import statistics
 import subprocess
@@ -140,7 +147,7 @@ class JaxVariant:
     self.state = make_state(self.params)
     with mock.patch.object(native_cpu, "TARGET", custom_call or native_cpu.TARGET):
       lowered = make_step().lower(self.params, self.state, self.grads)
-    called = set(re.findall(r"custom_call @(optax_hybrid_adamw_cpu\w*)\(", lowered.as_text()))
+    called = set(re.findall(r"custom_call @(optax_hybrid_adamw_\w*cpu\w*)\(", lowered.as_text()))
     if called != ({custom_call} if custom_call else set()):
       raise SystemExit(f"{name}: the lowered step calls {sorted(called)}, not {custom_call}")
     self.step = lowered.compile()
@@ -252,14 +259,15 @@ def pass_through_step(p, s, g):
 
 
 def variants(shapes, dtype, torch_policies, compared, kernels=("xla", "native"), moment_formats=("float32",),
-             wanted=None, tree=None, scale=1.0, pass_through=False):
+             wanted=None, tree=None, scale=1.0, pass_through=False, layouts=("leaves",), master=None):
   """Makers of the variants to time.
 
   ``torch_policies``: keys of :data:`TORCH_POLICIES` to time torch with (its
   worker builds ``tree`` at ``scale``); ``compared``: (label, target) of other
   native builds, each timed in the tx.step variants; ``moment_formats``: our
   variants once per format; ``wanted``: a regular expression the names must
-  match (None: all).
+  match (None: all); ``layouts``: our variants once per ``state_layout``
+  (``packed``: device moments only); ``master``: our ``master=`` option.
   """
   builds = [("xla", "", None)] if "xla" in kernels else []
   builds += [("native", "", native_cpu.TARGET)] if "native" in kernels and native_cpu.available() else []
@@ -269,20 +277,29 @@ def variants(shapes, dtype, torch_policies, compared, kernels=("xla", "native"),
   out.append(("optax.adamw", lambda: JaxVariant("optax.adamw", shapes, dtype, lambda: jax.jit(
       lambda p, s, g: (lambda u, s: (optax.apply_updates(p, u), s))(*tx.update(g, s, p)), donate_argnums=(0, 1)),
       tx.init)))
-  for moment_format in moment_formats:
+  for moment_format, layout in ((f, l) for f in moment_formats for l in layouts):
     if moment_format == "float32":  # the rows' names unchanged
       moments, shown = ({} if dtype == jnp.float32 else {"mu_dtype": jnp.float32, "nu_dtype": jnp.float32}), ""
     else:
       moments, shown = {"moment_format": moment_format}, f" {moment_format}"
+    options = {**moments, "state_layout": layout, **({} if master is None else {"master": master})}
+    mastered = "" if master is None else f", {master} master"
+    packed = " packed" if layout == "packed" else ""
     for kernel, label, target in builds:
-      for memory in ("device", "pinned_host"):
-        ours = optax_hybrid.hybrid_adamw(LR, weight_decay=WD, kernel=kernel, state_memory_kind=memory, **moments)
-        name = f"ours {kernel}{label}, {memory}{shown} moments, tx.step"
+      if packed and label:
+        continue  # a compared build is timed with one array per leaf
+      if target is not None and packed:
+        target = native_cpu.PACKED_TARGET
+      if master is not None and dtype != jnp.float32:
+        target = None  # the native loops take no master copy: the XLA rule steps it
+      for memory in ("device",) if packed else ("device", "pinned_host"):
+        ours = optax_hybrid.hybrid_adamw(LR, weight_decay=WD, kernel=kernel, state_memory_kind=memory, **options)
+        name = f"ours {kernel}{label}{packed}, {memory}{shown} moments{mastered}, tx.step"
         out.append((name, lambda ours=ours, name=name, target=target: JaxVariant(
             name, shapes, dtype, lambda: jax.jit(ours.step, donate_argnums=(0, 1)), ours.init, target)))
       if not label:
-        ours = optax_hybrid.hybrid_adamw(LR, weight_decay=WD, kernel=kernel, **moments)
-        name = f"ours {kernel}, device{shown} moments, update+apply"
+        ours = optax_hybrid.hybrid_adamw(LR, weight_decay=WD, kernel=kernel, **options)
+        name = f"ours {kernel}{packed}, device{shown} moments{mastered}, update+apply"
         out.append((name, lambda ours=ours, name=name, target=target: JaxVariant(
             name, shapes, dtype, lambda: optax_contract_step(ours), ours.init, target)))
   if pass_through:  # params, m and v in and out (donated), gradients in, as a float32 step
@@ -347,6 +364,11 @@ def main(argv=None):
                       help="the installed build forced to this instruction set, side by side (repeatable)")
   parser.add_argument("--moment-formats", default="float32",
                       help="comma-separated moment formats of our variants: float32 (default), 8bit")
+  parser.add_argument("--layouts", default="leaves",
+                      help="comma-separated state layouts of our variants: leaves (default), packed "
+                           "(state_layout='packed': device moments only, rows named '... packed, ...')")
+  parser.add_argument("--master", default=None, choices=("float32", "kahan", "stochastic"),
+                      help="our variants with this master= (for --dtype bfloat16 / float16)")
   parser.add_argument("--variants", default=None,
                       help="a regular expression; keep the variants whose names match it (default: all)")
   parser.add_argument("--pass-through", action="store_true",
@@ -369,6 +391,7 @@ def main(argv=None):
   if importlib.util.find_spec("torch") is None:
     torch_policies = []
   torch_note = "torch in its own process" if torch_policies else "torch not installed or not timed"
+  print("command: python " + " ".join(shlex.quote(a) for a in [os.path.relpath(__file__), *argv]))
   print(f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores; jax {jax.__version__}, "
         f"optax {optax.__version__}, {torch_note}; native kernel: "
         f"{f'built, isa {native_cpu.isa()}' if native_cpu.available() else native_cpu.why_unavailable()}; "
@@ -382,7 +405,7 @@ def main(argv=None):
     n_params = sum(math.prod(s) for s in shapes.values())
     built = [make() for make in variants(shapes, dtype, torch_policies, compared, args.kernels.split(","),
                                          args.moment_formats.split(","), args.variants, tree, args.scale,
-                                         args.pass_through)]
+                                         args.pass_through, args.layouts.split(","), args.master)]
     if args.loop:
       loop(built, args.loop)
       continue

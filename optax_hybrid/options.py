@@ -30,6 +30,10 @@ QUANTIZED_8BIT = "8bit"
 #: ``moment_format`` values: a storage dtype for every field a rule keeps, or
 #: 8-bit block-wise codes and scales (:mod:`optax_hybrid.kernels.quantized`).
 MOMENT_FORMATS = ("float32", "bfloat16", "float16", QUANTIZED_8BIT)
+#: ``state_layout`` values: one array per param leaf in each params-shaped
+#: field (the Optax contract), or every leaf's in a few flat buffers
+#: (:mod:`optax_hybrid.packing`).
+STATE_LAYOUTS = ("leaves", "packed")
 
 ScalarOrSchedule = Union[float, jax.Array, optax.Schedule]
 MaskOrFn = Optional[Union[Any, Callable[[optax.Params], Any]]]
@@ -107,11 +111,21 @@ class Storage:
       ``apply_updates`` land exactly on it.
     master_dtype: the older spelling: keep a master copy in this dtype;
       ``jnp.float32`` is ``master="float32"``. Pass one of the two.
+    state_layout: ``"leaves"`` (the default: every params-shaped field of
+      the state holds one array per param leaf, as Optax expects) or
+      ``"packed"``: each holds a dict of a few flat arrays, one per storage
+      dtype, every leaf's state a static slice of one (:mod:`optax_hybrid.packing`).
+      A jitted step then takes and returns four state buffers instead of two
+      per leaf, which is what a step over many small leaves mostly costs on
+      a CPU. For one CPU device and the ``device`` tier;
+      ``optax.tree_utils.tree_map_params`` sees the packed state as
+      non-params state, and checkpoints restore into the same layout only.
   """
 
   moment_format: Optional[str] = None
   master: Optional[str] = None
   master_dtype: Any = None
+  state_layout: str = "leaves"
 
   @property
   def master_format(self) -> Optional[masters.MasterFormat]:
@@ -212,9 +226,32 @@ def make_options(owner: str, rule: Any, *, mask: MaskOrFn = None, accepted: tupl
                     f"{', '.join(accepted)}.")
   by_concern = {concern: {k: v for k, v in options.items() if OPTION_NAMES[k] is concern} for concern in _CONCERNS}
   o = Options(owner, *(concern(**by_concern[concern]) for concern in _CONCERNS), mask=mask)
-  return dataclasses.replace(o, placement=_checked_placement(owner, o.placement),
-                             storage=_checked_storage(owner, o.storage, rule),
-                             execution=_checked_execution(owner, o.execution))
+  o = dataclasses.replace(o, placement=_checked_placement(owner, o.placement),
+                          storage=_checked_storage(owner, o.storage, rule),
+                          execution=_checked_execution(owner, o.execution))
+  _check_packed(owner, o)
+  return o
+
+
+def _check_packed(owner: str, o: Options) -> None:
+  """``state_layout="packed"`` packs device state on one CPU device: no other placement, no Pallas kernel."""
+  if o.storage.state_layout != "packed":
+    return
+  p = o.placement
+  placed = [f"{name}={getattr(p, name)!r}" for name in ("offload_fraction", "nvme_offload_fraction",
+                                                         "nvme_offload_dir", "shard_state_over")
+            if getattr(p, name) is not None]
+  if p.tiers not in (None, tiers_lib.DEVICE_TIER):
+    placed.append(f"tiers={p.tiers!r}")
+  if p.state_memory_kind not in (None, placement.DEVICE_KIND):
+    placed.append(f"state_memory_kind={p.state_memory_kind!r}")
+  if placed:
+    raise ValueError(f"{owner}: state_layout='packed' keeps every leaf's state in a few flat buffers in device "
+                     f"memory; it takes no placement option ({', '.join(placed)}). Drop them, or keep "
+                     "state_layout='leaves' (the default).")
+  if o.execution.kernel == "pallas":
+    raise ValueError(f"{owner}: state_layout='packed' is a CPU layout; kernel='pallas' is the GPU kernel. Use "
+                     "kernel='auto', 'native' or 'xla', or keep state_layout='leaves' (the default).")
 
 
 def _checked_placement(owner: str, p: Placement) -> Placement:
@@ -251,6 +288,9 @@ def _checked_storage(owner: str, s: Storage, rule: Any) -> Storage:
       raise ValueError(f"{owner}: pass either `moment_format` or {names}, not both: "
                        f"moment_format={s.moment_format!r} sets the storage of every field the rule keeps.")
   masters.resolve(s.master, s.master_dtype, owner)  # raises for a bad value, or both
+  if s.state_layout not in STATE_LAYOUTS:
+    raise ValueError(f"{owner}: unknown `state_layout`={s.state_layout!r}; accepted values are "
+                     f"{', '.join(repr(x) for x in STATE_LAYOUTS)}.")
   return dataclasses.replace(s, master_dtype=None if s.master_dtype is None else jnp.dtype(s.master_dtype))
 
 
@@ -270,5 +310,5 @@ def is_inexact(dtype) -> bool:
   return jnp.issubdtype(dtype, jnp.floating) or jnp.issubdtype(dtype, jnp.complexfloating)
 
 
-__all__ = ["Execution", "MOMENT_FORMATS", "OPTION_NAMES", "Options", "Placement", "Storage", "make_options",
+__all__ = ["Execution", "MOMENT_FORMATS", "OPTION_NAMES", "STATE_LAYOUTS", "Options", "Placement", "Storage", "make_options",
            "takes_options"]

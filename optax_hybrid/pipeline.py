@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from optax_hybrid import _compat, disk, masters, placement
+from optax_hybrid import _compat, disk, masters, packing, placement
 from optax_hybrid._compat import DEVICE, HOST
 from optax_hybrid.kernels import LeafFacts, LeafOperands, kernels_for, quantized, reference, step_of
 from optax_hybrid.kernels.contract import per_platform
@@ -70,7 +70,43 @@ def gather(grads: Any, state: Any, params: Any, plan: Plan, *, write_params: boo
   """
   owner = plan.owner
   grad_leaves, treedef = jax.tree.flatten(grads)
-  entries = []  # per field: its entries and its scales' (None without 8-bit storage), one per leaf
+  if plan.layout is None:
+    entries = _field_entries(state, treedef, plan)
+  elif treedef != plan.layout.treedef:
+    raise ValueError(f"{owner}: the gradients' tree structure does not match the optimizer state's; gradients: "
+                     f"{treedef}, params at init: {plan.layout.treedef}. Pass gradients for the same params tree "
+                     "the state was initialized with.")
+  check_inexact_leaves(grads, "gradient", owner)
+  if len(plan.leaves) != len(grad_leaves):
+    raise ValueError(
+        f"{owner}: the state's placement plan has {len(plan.leaves)} leaves but the gradients "
+        f"have {len(grad_leaves)}; pass gradients for the params the state was initialized with.")
+  param_leaves = _param_leaves(params, treedef, plan, write_params)
+  if plan.layout is None:
+    master_leaves = _master_leaves(state.master, params, treedef, plan)
+    leaf_values = lambda i, lp: _leaf_values(lp, i, plan.field_names, entries, owner)
+  else:  # packed: slices of the state's flat buffers, in device memory (optax_hybrid.packing)
+    packed_values, master_leaves = packing.leaf_state(state, plan)
+    _master_leaves(None, params, treedef, plan)  # its check that params come with masters
+    leaf_values = lambda i, lp: packed_values[i]
+  out = []
+  for i, (lp, g, p, w) in enumerate(zip(plan.leaves, grad_leaves, param_leaves, master_leaves)):
+    if lp.on_disk and disk_closed:
+      raise ValueError(f"{owner}: the disk-tier files of {lp.path} were removed by tx.close(); "
+                       "initialize a new state.")
+    values = leaf_values(i, lp)
+    _check_gradient(lp, plan, g, values, p, owner)
+    master = None
+    if lp.master is not None:  # what the format keeps (typed with its space), or a random format's seed
+      kept = None if lp.master_dtype is None else w if plan.layout is not None else _compat.move(w, lp.state_space)
+      master = lp.master.operand(kept, state.count, masters.salt_of(lp.path))
+    out.append(LeafIn(g, values, None if p is None else _compat.move(p, lp.param_space), master))
+  return treedef, out
+
+
+def _field_entries(state: Any, treedef: Any, plan: Plan) -> list[tuple]:
+  """Per field of the rule, its entries and its scales' (None without 8-bit storage), one per leaf."""
+  entries = []
   try:
     for name in plan.field_names:
       scales = getattr(state, name + "_scales")
@@ -79,35 +115,21 @@ def gather(grads: Any, state: Any, params: Any, plan: Plan, *, write_params: boo
   except (ValueError, TypeError) as e:
     name = plan.field_names[0]
     raise ValueError(
-        f"{owner}: the gradients' tree structure does not match the optimizer state's; gradients: {treedef}, "
-        f"state.{name}: {jax.tree.structure(getattr(state, name))}. Pass gradients for the same params "
-        "tree the state was initialized with.") from e
-  check_inexact_leaves(grads, "gradient", owner)
-  if len(plan.leaves) != len(grad_leaves):
-    raise ValueError(
-        f"{owner}: the state's placement plan has {len(plan.leaves)} leaves but the gradients "
-        f"have {len(grad_leaves)}; pass gradients for the params the state was initialized with.")
-  param_leaves = _param_leaves(params, treedef, plan, write_params)
-  master_leaves = _master_leaves(state.master, params, treedef, plan)
-  out = []
-  for i, (lp, g, p, w) in enumerate(zip(plan.leaves, grad_leaves, param_leaves, master_leaves)):
-    if lp.on_disk and disk_closed:
-      raise ValueError(f"{owner}: the disk-tier files of {lp.path} were removed by tx.close(); "
-                       "initialize a new state.")
-    values = []
-    for name, (field, scales) in zip(plan.field_names, entries):
-      if lp.on_disk or lp.quantized:
-        values.append(_field_value(lp, name, field[i], None if scales is None else scales[i], owner))
-      else:
-        values.append(_compat.move(field[i], lp.state_space))
-    values = tuple(values)
-    _check_gradient(lp, plan, g, values, p, owner)
-    master = None
-    if lp.master is not None:  # what the format keeps (typed with its space), or a random format's seed
-      master = lp.master.operand(_compat.move(w, lp.state_space) if lp.master_dtype is not None else None,
-                                 state.count, masters.salt_of(lp.path))
-    out.append(LeafIn(g, values, None if p is None else _compat.move(p, lp.param_space), master))
-  return treedef, out
+        f"{plan.owner}: the gradients' tree structure does not match the optimizer state's; gradients: "
+        f"{treedef}, state.{name}: {jax.tree.structure(getattr(state, name))}. Pass gradients for the same "
+        "params tree the state was initialized with.") from e
+  return entries
+
+
+def _leaf_values(lp: LeafPlan, i: int, names: tuple, entries: list[tuple], owner: str) -> tuple:
+  """Leaf ``i``'s field values as the step reads them (:func:`_field_value`), typed with its state space."""
+  values = []
+  for name, (field, scales) in zip(names, entries):
+    if lp.on_disk or lp.quantized:
+      values.append(_field_value(lp, name, field[i], None if scales is None else scales[i], owner))
+    else:
+      values.append(_compat.move(field[i], lp.state_space))
+  return tuple(values)
 
 
 def _param_leaves(params: Any, treedef: Any, plan: Plan, write_params: bool) -> list:
@@ -320,7 +342,8 @@ def _run_group(plans: Sequence[LeafPlan], leaves: Sequence[LeafIn], plan: Plan, 
       operands.append(LeafOperands(_compat.move(leaf.grad, DEVICE), leaf.state if lp.on_disk else to(leaf.state),
                                    None if param is None else _compat.move(param, DEVICE), to(leaf.master)))
   facts, step = _facts(plans, leaves, write_params), step_of(rule, write_params=write_params, master=master)
-  kernels = kernels_for(plan.kernel, fused=write_params, runs_on=where, split=plan.split, rule=rule)
+  kernels = kernels_for(plan.kernel, fused=write_params, runs_on=where, split=plan.split, rule=rule,
+                        packed=plan.layout is not None)
   if where == "host":
     compute = functools.partial(_compute, facts=facts, step=step)
     s = type(s)(*(None if x is None else _compat.move(x, HOST) for x in s))

@@ -189,6 +189,9 @@ class Plan:
       sees Python zeros, and the two states must compare equal (Optax's
       ``AliasTest``). Steps traced for either compute the same numbers while
       the injected values stay zero.
+    layout: with ``state_layout="packed"``, where each leaf's state is in the
+      state's flat buffers (:class:`optax_hybrid.packing.Layout`, made by
+      ``init``); None: one array per leaf.
     field_names: the names of ``fields`` (derived, as the rest below).
     empty: ``{params-shaped attribute: indices of the leaves that keep an
       empty entry there}`` for every field, its ``_scales`` and ``master``
@@ -204,6 +207,7 @@ class Plan:
   fields: tuple = ()
   owner: str = "optax_hybrid"
   static_zeros: frozenset = frozenset()
+  layout: Any = None
 
   field_names: tuple = dataclasses.field(init=False, repr=False)
   empty: dict = dataclasses.field(init=False, repr=False)
@@ -213,7 +217,8 @@ class Plan:
   def __post_init__(self):
     # A jitted step hashes its arguments' tree structure on every call, and
     # the plan is part of it: hash once.
-    object.__setattr__(self, "_key", (self.leaves, self.kernel, self.split, self.mesh, self.fields, self.owner))
+    object.__setattr__(self, "_key", (self.leaves, self.kernel, self.split, self.mesh, self.fields, self.owner,
+                                      self.layout))
     object.__setattr__(self, "_hash", hash(self._key))
     # What every step reads, derived once.
     names = tuple(f.name for f in self.fields)
@@ -387,16 +392,22 @@ def assign_slices(leaves: Sequence[LeafPlan], shapes: Sequence[Sequence[int]],
   whole on the device. Its rows along the first axis cross instead, the
   largest number that divides the axis (every slice the same shape: one loop
   body) and holds at most ``budget`` bytes of state, at least one row. Only a
-  single-device leaf of two or more axes is cut: its 8-bit blocks lie along
-  the last axis, so a slice of rows is whole blocks.
+  leaf of two or more axes is cut (its 8-bit blocks lie along the last axis,
+  so a slice of rows is whole blocks), and a leaf split over a mesh only if
+  every device holds its first axis whole (each device then stages its
+  share of the rows; the budget counts that share).
   """
   out = list(leaves)
   for i, (leaf, shape) in enumerate(zip(leaves, shapes)):
-    if (leaf.tier != tiers_lib.HOST_STATE_TIER or leaf.state_sharding is not None or len(shape) < 2
-        or shape[0] < 2 or state_bytes(leaf, shape) <= budget):
+    sharding = leaf.state_sharding
+    if (leaf.tier != tiers_lib.HOST_STATE_TIER or len(shape) < 2 or shape[0] < 2
+        or tiers_lib.whole_leading_axes(sharding, len(shape)) < 1):
+      continue
+    share = lambda rows: tuple(sharding.shard_shape((rows, *shape[1:]))) if sharding else (rows, *shape[1:])
+    if state_bytes(leaf, share(shape[0])) <= budget:
       continue
     fits = [d for d in range(1, shape[0] + 1)
-            if shape[0] % d == 0 and state_bytes(leaf, (d, *shape[1:])) <= budget]
+            if shape[0] % d == 0 and state_bytes(leaf, share(d)) <= budget]
     out[i] = dataclasses.replace(leaf, slice_rows=max(fits, default=1))
   return out
 

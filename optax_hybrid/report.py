@@ -10,6 +10,7 @@ as numbers rather than estimated.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 from typing import Any
@@ -226,6 +227,28 @@ class _Placed:
     return out
 
 
+def _packed_slices(key_path: Any, node: Any, plan: Plan):
+  """A packed state's (``state_layout="packed"``) arrays, one per leaf and field: each a slice of a flat buffer.
+
+  Yields ``(where, param path, _Placed of the slice, field)``; the slices of
+  a buffer add up to it (its bytes, its memory, its device).
+  """
+  paths = [p for p, _ in jax.tree_util.tree_flatten_with_path(
+      plan.layout.treedef.unflatten([0] * plan.layout.treedef.num_leaves))[0]]
+  for field in plan.layout.attributes:
+    pools = getattr(node, field)
+    for sub_path, slot in zip(paths, plan.layout.slots_of(field)):
+      if slot is None:
+        continue
+      where = f"opt_state{jax.tree_util.keystr(key_path)}.{field}[{slot.pool!r}] slice of {path_name(sub_path)!r}"
+      placed = copy.copy(_Placed(pools[slot.pool], where, numpy_ok=True))
+      placed.shape, placed.size = slot.shape, slot.size
+      placed.nbytes = slot.size * placed.dtype.itemsize
+      if placed.sharding is not None and len(placed.sharding.device_set) != 1:
+        raise ValueError(f"memory_report: {where}: a packed state lives on one device.")
+      yield where, sub_path, placed, field
+
+
 # 115 code lines with its nested helpers: one pass over the params and every state, whose helpers share
 # six accumulators (attached bytes, by component, per device, tiers...); split, they would travel as arguments.
 def memory_report(params: Any, opt_state: Any) -> MemoryReport:
@@ -346,14 +369,17 @@ def memory_report(params: Any, opt_state: Any) -> MemoryReport:
     # entries that stand where a leaf keeps nothing.
     plan = node.plan if isinstance(node.plan, Plan) else None
     shaped = params_shaped_fields(node)
+    packed = plan is not None and plan.layout is not None
+    for where, sub_path, placed, field in _packed_slices(key_path, node, plan) if packed else ():
+      attach(where, sub_path, placed, field)
     trees = [getattr(node, name) for name in shaped if getattr(node, name) is not None]
     leaf_paths = [p for p, _ in jax.tree_util.tree_leaves_with_path(trees[0])] if trees else []
     if plan is not None and len(plan.leaves) != len(leaf_paths):
       plan = None
     for field in node._fields:
       entries = jax.tree_util.tree_leaves_with_path(getattr(node, field))
-      if field not in shaped:
-        for sub_path, leaf in entries:
+      if field not in shaped or packed:
+        for sub_path, leaf in entries if field not in shaped else ():
           add_other(key_path + sub_path, leaf)
         continue
       empty = set(plan.empty_entries(field)) if plan is not None and len(entries) == len(plan.leaves) else set()

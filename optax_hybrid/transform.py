@@ -19,9 +19,9 @@ import numpy as np
 import optax
 from optax._src import numerics
 
-from optax_hybrid import _compat, disk, pipeline, placement
+from optax_hybrid import _compat, disk, packing, pipeline, placement
 from optax_hybrid.base import STATE_TYPES, UpdateRule, is_state
-from optax_hybrid.kernels import quantized
+from optax_hybrid.kernels import packed, quantized
 from optax_hybrid.options import OPTION_NAMES, Options, check_learning_rate, make_options
 from optax_hybrid.plan import LeafPlan, Plan, make_plan
 
@@ -210,6 +210,23 @@ class _NoPlan:
 _NO_PLAN = _NoPlan()
 
 
+class _Packed:
+  """A packed field (``state_layout="packed"``) in the state ``init`` returns for Optax's params placeholder.
+
+  A pytree leaf: ``optax.tree_utils.tree_map_params`` hands the real state's
+  dict of flat buffers to its ``transform_non_params`` (the packed state is
+  not params-shaped).
+  """
+
+  __slots__ = ()
+
+  def __repr__(self) -> str:
+    return "<packed state: not params-shaped>"
+
+
+_PACKED = _Packed()
+
+
 def _state_of_placeholder(placeholder: Any, rule: UpdateRule, o: Options) -> Any:
   """``init``'s state for the params placeholder of ``optax.tree_utils.tree_map_params``.
 
@@ -220,6 +237,8 @@ def _state_of_placeholder(placeholder: Any, rule: UpdateRule, o: Options) -> Any
   static ``plan`` are not.
   """
   count = jnp.zeros([], jnp.int32)
+  if o.storage.state_layout == "packed":
+    placeholder = _PACKED
   fields = {f.name: placeholder for f in rule.fields}
   if o.storage.quantized:
     fields.update({f.name + "_scales": placeholder for f in rule.fields})
@@ -322,9 +341,15 @@ def _init(params: Any, rule: UpdateRule, o: Options, disk_store: list, stepped_r
       disk_store[:] = [disk.DiskStore(o.placement.nvme_offload_dir)]
     plan = _with_disk_files(plan, param_leaves, disk_store[0], initial)
   with_master = _keeps_masters(o)
-  per_leaf = [_leaf_state(p, lp, plan, initial, with_master) for p, lp in zip(param_leaves, plan.leaves)]
   names = [f.name for f in rule.fields] + ([f.name + "_scales" for f in rule.fields] if o.storage.quantized else [])
-  fields = {n: treedef.unflatten([leaf[n] for leaf in per_leaf]) for n in names + ["master"] * with_master}
+  names += ["master"] * with_master
+  if o.storage.state_layout == "packed":  # checked before any state is made
+    plan = dataclasses.replace(plan, layout=packing.make_layout(plan, params, names))
+  per_leaf = [_leaf_state(p, lp, plan, initial, with_master) for p, lp in zip(param_leaves, plan.leaves)]
+  if plan.layout is not None:
+    fields = {n: packing.pack(plan, n, [leaf[n] for leaf in per_leaf]) for n in names}
+  else:
+    fields = {n: treedef.unflatten([leaf[n] for leaf in per_leaf]) for n in names}
   counter = lambda: placement.step_counter_like(jax.tree.leaves(fields))
   return _make_state(rule, count=counter(), skipped=counter(), plan=plan, **fields)
 
@@ -417,6 +442,10 @@ class _Engine:
       raise ValueError(f"{self.rule.owner}: skip_nonfinite=True cannot skip a step taken in parts (the optimizer "
                        "in the backward pass): a layer is stepped before the gradients of the layers under it "
                        "exist. Build the optimizer with skip_nonfinite=False.")
+    if plan.layout is not None:
+      raise ValueError(f"{self.rule.owner}: a step in parts (begin_step, step_in_backward) steps each leaf's "
+                       "state in place, one array per leaf; this state is packed. Build the optimizer with "
+                       "state_layout='leaves' (the default).")
     rows = _rows_stepped(by_rows, params, plan)
     shaped = lambda tree: jax.tree.map(lambda p: jax.ShapeDtypeStruct(np.shape(p), jnp.asarray(p).dtype), tree)
     treedef, leaves = self._gather(shaped(params), state, params, plan, True)
@@ -496,6 +525,9 @@ def _next_state(state: Any, outs: list, treedef: Any, step_ok: Any, written: Any
       new[name].append(getattr(value, "codes", value))
       new[name + "_scales"].append(getattr(value, "scales", None))
     new["master"].append(out.master)
+  if plan.layout is not None:
+    fields = {name: packing.repacked(plan, name, new[name]) for name in plan.layout.attributes}
+    return state._replace(count=count, skipped=skipped, **fields)
   fields = {}
   for name, values in new.items():
     old, empty = getattr(state, name), plan.empty[name]
@@ -552,8 +584,14 @@ def moment_values(opt_state: Any) -> tuple[Any, ...]:
                                          else " (no HybridAdamState or other hybrid_* optimizer state in it)."))
   state = found[0]
   plan = state.plan
-  treedef = jax.tree.structure(getattr(state, "master" if not plan.fields else plan.field_names[0]))
   read = lambda x: jnp.asarray(disk.read(x) if isinstance(x, disk.DiskMoment) else jax.device_get(x))
+  if plan.layout is not None:
+    values, _ = packing.leaf_state(state, plan)
+    on_host = lambda x: jax.tree.map(read, packed.read(x))  # an array, or 8-bit codes and scales
+    return tuple(plan.layout.treedef.unflatten(
+        [quantized.dequantize(on_host(v[k]), signed=field.signed) if lp.quantized else on_host(v[k])
+         for lp, v in zip(plan.leaves, values)]) for k, field in enumerate(plan.fields))
+  treedef = jax.tree.structure(getattr(state, "master" if not plan.fields else plan.field_names[0]))
   out = []
   for k, field in enumerate(plan.fields):
     codes = treedef.flatten_up_to(getattr(state, field.name))

@@ -31,6 +31,7 @@ import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 import optax_hybrid  # noqa: E402
+import optax_hybrid.plan  # noqa: E402
 from optax_hybrid.kernels import native_cpu  # noqa: E402
 
 assert jax.device_count() == 8
@@ -46,6 +47,9 @@ LEAVES = {
 }
 TIERS = {"device": dict(tiers="device"), "host_state": dict(tiers="host_state"), "host": dict(tiers="host"),
          "offload_fraction": dict(offload_fraction=0.5)}
+# host_state with a stage smaller than the stack's state: the stack's rows cross a slice at a time
+# (LeafPlan.slice_rows; at full size, a stacked layer's state is larger than a stage).
+SLICED_STAGE_BYTES = 64 * 2**10
 FORMATS = {"float32": {}, "8bit": dict(moment_format="8bit")}
 MASTERS = (None, "float32", "kahan", "stochastic")  # None: float32 params; else bf16 params with that master
 KERNELS = ("xla", "pallas", "native")
@@ -63,13 +67,24 @@ def placed(values, dtype, one_device):
   return {k: jax.device_put(jnp.asarray(v, dtype), NamedSharding(MESH, LEAVES[k][1])) for k, v in values.items()}
 
 
+def hybrid_adamw(tier, fmt, master, kernel):
+  """The case's transformation; ``host_state sliced``: the host_state tier with a stage smaller than the stack."""
+  optax_hybrid.plan.STREAM_STAGE_BYTES = SLICED_STAGE_BYTES if tier.endswith(" sliced") else DEFAULT_STAGE_BYTES
+  return optax_hybrid.hybrid_adamw(1e-2, weight_decay=0.1, kernel=kernel, master=master,
+                                   **TIERS[tier.removesuffix(" sliced")], **FORMATS[fmt])
+
+
+DEFAULT_STAGE_BYTES = optax_hybrid.plan.STREAM_STAGE_BYTES
+
+
 def run(tier, fmt, master, kernel, path, one_device=False):
   dtype = jnp.float32 if master is None else jnp.bfloat16
-  tx = optax_hybrid.hybrid_adamw(1e-2, weight_decay=0.1, kernel=kernel, master=master, **TIERS[tier],
-                                 **FORMATS[fmt])
+  tx = hybrid_adamw(tier, fmt, master, kernel)
   params = placed(VALUES, dtype, one_device)
   params, state = optax_hybrid.commit((params, tx.init(params)))
   grads = placed(GRADS, dtype, one_device)
+  sliced = [lp.slice_rows for lp in state.plan.leaves if lp.slice_rows]
+  assert bool(sliced) == tier.endswith(" sliced"), (tier, one_device, sliced)  # the stack crosses in slices
 
   def update_then_apply(p, s, g):
     u, s = tx.update(g, s, p)
@@ -147,8 +162,7 @@ def gpu_check(case):
 
   tier, fmt, master, kernel, path = case
   dtype = jnp.float32 if master is None else jnp.bfloat16
-  tx = optax_hybrid.hybrid_adamw(1e-2, weight_decay=0.1, kernel=kernel, master=master, **TIERS[tier],
-                                 **FORMATS[fmt])
+  tx = hybrid_adamw(tier, fmt, master, kernel)
   abstract = {k: jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(MESH, spec))
               for k, (shape, spec) in LEAVES.items()}
   state = tx.init(abstract)
@@ -182,17 +196,20 @@ def ci_cases():
   return [("device", "8bit", "float32", "xla", "step"), ("host_state", "8bit", "stochastic", "xla", "step"),
           ("host", "8bit", "kahan", "xla", "update"), ("offload_fraction", "8bit", None, "xla", "step"),
           ("device", "8bit", "kahan", "pallas", "step"), ("host_state", "float32", "float32", "native", "update"),
-          ("device", "8bit", None, "native", "update"), ("host", "float32", "stochastic", "xla", "step")]
+          ("device", "8bit", None, "native", "update"), ("host", "float32", "stochastic", "xla", "step"),
+          ("host_state sliced", "8bit", "stochastic", "pallas", "step"),
+          ("host_state sliced", "float32", "float32", "native", "update")]
 
 
 def all_cases():
   kernels = [k for k in KERNELS if k != "native" or native_cpu.available()]
-  return list(itertools.product(TIERS, FORMATS, MASTERS, kernels, PATHS))
+  return list(itertools.product([*TIERS, "host_state sliced"], FORMATS, MASTERS, kernels, PATHS))
 
 
 def gpu_cases():
   """The 8-bit format in every tier that runs on a node, with the kernels a GPU runs (Pallas, the XLA rule)."""
   return [("host_state", "8bit", "stochastic", "xla", "step"), ("device", "8bit", "float32", "pallas", "step"),
+          ("host_state sliced", "8bit", "stochastic", "pallas", "step"),
           ("host", "8bit", "kahan", "xla", "update"), ("offload_fraction", "8bit", None, "auto", "step")]
 
 

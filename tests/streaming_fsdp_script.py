@@ -150,6 +150,8 @@ def check_gpu():
     shallow, deep = compile_node(4, in_backward), compile_node(8, in_backward)
     grown = lambda key: (getattr(deep["report"], key) - getattr(shallow["report"], key)) / 4
     figures = {k: grown(k) for k in ("device_peak_bytes", "host_argument_bytes", "host_temp_bytes")}
+    gathered = {depth: r["report"].collective_bytes.get("all-gather", 0) for depth, r in ((4, shallow), (8, deep))}
+    figures["all_gather"] = (gathered[8] - gathered[4]) / 4
     figures.update(carry=deep["carry_bytes"], layer_host=deep["layer_host_bytes"], layer_params=deep["layer_param_bytes"])
     where = "step_in_backward" if in_backward else "scan_layers then tx.step"
     for record in (shallow, deep):
@@ -158,6 +160,9 @@ def check_gpu():
     assert figures["device_peak_bytes"] <= 1.05 * deep["carry_bytes"], (where, figures)
     gradient = 0 if in_backward else deep["layer_param_bytes"]  # scan_layers' gradient buffer, its eighth
     assert abs(figures["host_temp_bytes"] - gradient) <= 0.01 * deep["layer_param_bytes"], (where, figures)
+    # Each GPU gathers a layer twice (its forward, its recompute in the backward pass), and nothing more: a
+    # layout constraint on the fetched slice made the partitioner gather it whole once more and slice it back.
+    assert figures["all_gather"] <= 2.02 * 8 * deep["layer_param_bytes"], (where, figures)
     print("ok", where, json.dumps({k: round(v / 1e6, 4) for k, v in figures.items()}), "MB per layer per GPU",
           flush=True)
   print("FSDP GPU OK")

@@ -60,6 +60,11 @@ def fake_device_without_host():
                                addressable_memories=lambda: [types.SimpleNamespace(kind="device")])
 
 
+def update_with_state(tx, change):
+  """``tx.update`` with its own state changed by ``change`` (a state that does not fit its plan)."""
+  return tx.update(GRADS, change(tx.init(PARAMS)), PARAMS)
+
+
 def tmp_file():
   import tempfile
   fd, path = tempfile.mkstemp()
@@ -209,6 +214,14 @@ TRIGGERS = {
         GRADS_BF16, hybrid(master_dtype=jnp.float32, weight_decay=0.0).init(PARAMS_BF16)),
     "master-name": lambda: hybrid(master="bf16"),
     "master-both": lambda: hybrid(master="kahan", master_dtype=jnp.float32),
+    "state-layout-unknown": lambda: hybrid(state_layout="flat"),
+    "packed-placement": lambda: hybrid(state_layout="packed", tiers="host"),
+    "packed-pallas": lambda: hybrid(state_layout="packed", kernel="pallas"),
+    "packed-sharded": lambda: hybrid(state_layout="packed").init({"w": FakeShardedParam()}),
+    "packed-state": lambda: update_with_state(hybrid(state_layout="packed"),
+                                              lambda s: s._replace(mu={"float32": jnp.zeros(3)})),
+    "packed-in-parts": lambda: hybrid(state_layout="packed").begin_step(
+        STACKED, hybrid(state_layout="packed").init(STACKED), {"embed": False, "layers": True}),
     "nvme-dir-missing": lambda: hybrid(nvme_offload_fraction=0.5, nvme_offload_dir="/nonexistent/optax_hybrid"),
     "nvme-dir-not-dir": lambda: hybrid(nvme_offload_fraction=0.5, nvme_offload_dir=tmp_file()),
     "nvme-closed": closed_disk_state,

@@ -57,7 +57,7 @@ def _native_or_reference(kernel: str) -> Kernel:
 
 
 def kernels_for(kernel: str, *, fused: bool, runs_on: str = "device", split: str = "direct",
-                rule: Any = None) -> dict[str, Kernel]:
+                rule: Any = None, packed: bool = False) -> dict[str, Kernel]:
   """The kernel each platform runs, as ``{platform: kernel}`` for ``lax.platform_dependent``.
 
   The choice follows the platform the step is *lowered* for
@@ -74,7 +74,9 @@ def kernels_for(kernel: str, *, fused: bool, runs_on: str = "device", split: str
   * ``"auto"``: Pallas on CUDA and ROCm; on a CPU the native kernel for the
     fused ``tx.step`` and the reference for ``update``, where XLA fuses the
     caller's ``p + u`` into the step and the custom call would write a
-    full-size update buffer instead (``benchmarks/step.py``).
+    full-size update buffer instead (``benchmarks/step.py``); with a
+    ``packed`` state the native kernel for both (it steps the leaves in
+    their flat buffers, where XLA's rule would concatenate them back).
 
   ``runs_on="host"`` (host compute) runs the native kernel on a
   single-device CPU backend (``split="direct"``), where host compute is the
@@ -92,6 +94,7 @@ def kernels_for(kernel: str, *, fused: bool, runs_on: str = "device", split: str
     check_kernel_name(kernel)
   if kernel in ("native", "auto") and rule is not None and not native_cpu.implements(rule):
     kernel, fused = ("xla", fused) if kernel == "native" else ("auto", False)  # "auto" without native: Pallas or XLA
+  fused = fused or packed  # for "auto" on a CPU: the native kernel
   wants_native = kernel == "native" or (kernel == "auto" and fused)
   if runs_on == "host":
     if wants_native and split == "direct" and native_cpu.available():

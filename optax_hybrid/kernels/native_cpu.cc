@@ -1104,112 +1104,81 @@ void work(Shared& sh, const std::vector<Leaf>& leaves, const Scalars& s, bool ad
   }
 }
 
-ffi::Error AdamWImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> scalars, ffi::Buffer<ffi::F32> code_tables,
-                     ffi::RemainingArgs args, ffi::RemainingRets rets, int32_t adamw_mode, int32_t write_params,
-                     int32_t block_size, ffi::Span<const int32_t> decay, ffi::Span<const int32_t> has_param,
-                     ffi::Span<const int32_t> quantized) {
-  if (kIsa.variant == nullptr) return ffi::Error::InvalidArgument(kIsa.problem);
-  const size_t n_leaves = decay.size();
-  size_t n_rets = 0;
-  for (size_t i = 0; i < quantized.size(); ++i) n_rets += quantized[i] ? 5 : 3;
-  if (has_param.size() != n_leaves || quantized.size() != n_leaves || rets.size() != n_rets) {
-    return ffi::Error::InvalidArgument("optax_hybrid adamw: inconsistent leaf counts");
-  }
+// The step's scalars, checked: lr, b1, b2, eps, wd, bias corrections, then the skip flag.
+ffi::Error read_scalars(const ffi::Buffer<ffi::F32>& scalars, Scalars* s) {
   if (scalars.element_count() != 8) {
     return ffi::Error::InvalidArgument("optax_hybrid adamw: expected 8 scalars");
   }
   const float* sc = scalars.typed_data();
-  const Scalars s{sc[0], sc[1], sc[2], sc[3], sc[4], sc[5], sc[6], sc[7] != 0.0f};
+  *s = Scalars{sc[0], sc[1], sc[2], sc[3], sc[4], sc[5], sc[6], sc[7] != 0.0f};
+  return ffi::Error::Success();
+}
 
-  // The code tables, rows: signed map, unsigned map, signed thresholds,
-  // unsigned thresholds (native_cpu.py: CODE_TABLES).
+// The code tables, rows: signed map, unsigned map, signed thresholds,
+// unsigned thresholds (native_cpu.py: CODE_TABLES); read only when a leaf is 8-bit.
+ffi::Error read_tables(const ffi::Buffer<ffi::F32>& code_tables, int32_t block_size, bool any_quantized,
+                       QuantTables* tables) {
   if (code_tables.element_count() != 4 * kCodes) {
     return ffi::Error::InvalidArgument("optax_hybrid adamw: expected 4 x 256 code tables");
   }
-  QuantTables tables{};
-  const bool any_quantized = std::any_of(quantized.begin(), quantized.end(), [](int32_t q) { return q != 0; });
-  if (any_quantized) {
-    if (block_size < 1 || block_size > kMaxBlock) {
-      return ffi::Error::InvalidArgument("optax_hybrid adamw: block size out of range");
-    }
-    const float* t = code_tables.typed_data();
-    tables = QuantTables{t, t + kCodes, &search_for(t + 2 * kCodes), &search_for(t + 3 * kCodes), byte_planes(t),
-                         byte_planes(t + kCodes)};
+  if (!any_quantized) return ffi::Error::Success();
+  if (block_size < 1 || block_size > kMaxBlock) {
+    return ffi::Error::InvalidArgument("optax_hybrid adamw: block size out of range");
   }
+  const float* t = code_tables.typed_data();
+  *tables = QuantTables{t, t + kCodes, &search_for(t + 2 * kCodes), &search_for(t + 3 * kCodes), byte_planes(t),
+                        byte_planes(t + kCodes)};
+  return ffi::Error::Success();
+}
 
-  // A result updated in place: copied in first when XLA did not alias it.
-  const auto in_place = [](const ffi::AnyBuffer& in, ffi::Result<ffi::AnyBuffer>& out) {
-    if (out->untyped_data() != in.untyped_data()) std::memcpy(out->untyped_data(), in.untyped_data(), in.size_bytes());
-    return out->untyped_data();
-  };
+// Where one leaf's moment arrays are, in order: mu and nu, or for 8-bit
+// moments mu's codes and scales then nu's.
+struct Moments {
+  void* data[4] = {nullptr, nullptr, nullptr, nullptr};
+  Kind kind[4] = {Kind::kOther, Kind::kOther, Kind::kOther, Kind::kOther};
+  int64_t count[4] = {0, 0, 0, 0};
+};
 
-  std::vector<Leaf> leaves;
-  leaves.reserve(n_leaves);
-  size_t arg = 0, ret = 0;
-  for (size_t i = 0; i < n_leaves; ++i) {
-    const bool quantized_leaf = quantized[i] != 0;
-    const size_t n_moment = quantized_leaf ? 2 : 1;  // codes and scales, or values
-    auto g = args.get<ffi::AnyBuffer>(arg++);
-    std::vector<ffi::AnyBuffer> moments;  // mu's then nu's
-    for (size_t k = 0; k < 2 * n_moment; ++k) {
-      auto x = args.get<ffi::AnyBuffer>(arg++);
-      if (!x.has_value()) return ffi::Error::InvalidArgument("optax_hybrid adamw: missing leaf operand");
-      moments.push_back(*x);
-    }
-    if (!g.has_value()) return ffi::Error::InvalidArgument("optax_hybrid adamw: missing leaf operand");
-    void* p = nullptr;
-    if (has_param[i]) {
-      auto pb = args.get<ffi::AnyBuffer>(arg++);
-      if (!pb.has_value()) return ffi::Error::InvalidArgument("optax_hybrid adamw: missing param");
-      p = pb->untyped_data();
-    }
-    auto out = rets.get<ffi::AnyBuffer>(ret++);
-    if (!out.has_value()) return ffi::Error::InvalidArgument("optax_hybrid adamw: missing result");
-    void* state[4] = {nullptr, nullptr, nullptr, nullptr};
-    for (size_t k = 0; k < 2 * n_moment; ++k) {
-      auto x = rets.get<ffi::AnyBuffer>(ret++);
-      if (!x.has_value()) return ffi::Error::InvalidArgument("optax_hybrid adamw: missing result");
-      if ((*x)->size_bytes() != moments[k].size_bytes()) {
-        return ffi::Error::InvalidArgument("optax_hybrid adamw: a moment result differs from its operand");
-      }
-      state[k] = in_place(moments[k], *x);
-    }
-    if ((write_params || decay[i]) && p == nullptr) {
-      return ffi::Error::InvalidArgument("optax_hybrid adamw: this leaf needs its param");
-    }
-    const ffi::AnyBuffer& mu = moments[0];
-    const ffi::AnyBuffer& nu = moments[n_moment];
-    if (mu.element_type() != nu.element_type()) {
-      return ffi::Error::InvalidArgument("optax_hybrid adamw: mu and nu dtypes differ");
-    }
-    Leaf leaf{g->untyped_data(), state[0], state[n_moment], p, (*out)->untyped_data(),
-              static_cast<int64_t>(g->element_count()), kind_of(g->element_type()), kind_of(mu.element_type()),
-              kind_of((*out)->element_type()), decay[i] != 0};
-    if (quantized_leaf) {
-      // Codes shaped like the leaf, float32 scales (..., ceil(row / block)).
-      const auto dims = g->dimensions();
-      const ffi::AnyBuffer& mu_scales = moments[1];
-      const ffi::AnyBuffer& nu_scales = moments[3];
-      if (dims.size() == 0 || mu.element_type() != ffi::DataType::U8 || mu.element_count() != g->element_count() ||
-          nu.element_count() != g->element_count() || mu_scales.element_type() != ffi::DataType::F32 ||
-          nu_scales.element_type() != ffi::DataType::F32) {
-        return ffi::Error::InvalidArgument("optax_hybrid adamw: 8-bit moments need uint8 codes shaped like the "
-                                           "leaf and float32 scales");
-      }
-      leaf.row = dims.back();
-      leaf.block = block_size;
-      leaf.blocks_per_row = (leaf.row + block_size - 1) / block_size;
-      if (leaf.row == 0 || static_cast<int64_t>(mu_scales.element_count()) != leaf.n / leaf.row * leaf.blocks_per_row ||
-          nu_scales.element_count() != mu_scales.element_count()) {
-        return ffi::Error::InvalidArgument("optax_hybrid adamw: 8-bit moment scales of the wrong size");
-      }
-      leaf.m_scales = static_cast<float*>(state[1]);
-      leaf.v_scales = static_cast<float*>(state[3]);
-      leaf.tables = &tables;
-    }
-    leaves.push_back(leaf);
+// One leaf of a call, checked: its gradient's buffer, its moments, its param
+// (nullptr when not read) and its first result (the update, or the new param).
+ffi::Error make_leaf(const ffi::AnyBuffer& g, const Moments& mo, void* p, void* first, ffi::DataType first_type,
+                     bool quantized_leaf, bool decay, bool write_params, int32_t block_size,
+                     const QuantTables* tables, Leaf* leaf) {
+  if ((write_params || decay) && p == nullptr) {
+    return ffi::Error::InvalidArgument("optax_hybrid adamw: this leaf needs its param");
   }
+  const int64_t n = static_cast<int64_t>(g.element_count());
+  const int v_at = quantized_leaf ? 2 : 1;
+  if (mo.kind[0] != mo.kind[v_at]) {
+    return ffi::Error::InvalidArgument("optax_hybrid adamw: mu and nu dtypes differ");
+  }
+  if (mo.count[0] != n || mo.count[v_at] != n) {
+    return ffi::Error::InvalidArgument("optax_hybrid adamw: a moment's size differs from its gradient's");
+  }
+  *leaf = Leaf{g.untyped_data(), mo.data[0], mo.data[v_at], p, first, n, kind_of(g.element_type()), mo.kind[0],
+               kind_of(first_type), decay};
+  if (!quantized_leaf) return ffi::Error::Success();
+  // Codes shaped like the leaf, float32 scales (..., ceil(row / block)).
+  const auto dims = g.dimensions();
+  if (dims.size() == 0 || mo.kind[0] != Kind::kU8 || mo.kind[1] != Kind::kF32 || mo.kind[3] != Kind::kF32) {
+    return ffi::Error::InvalidArgument("optax_hybrid adamw: 8-bit moments need uint8 codes shaped like the "
+                                       "leaf and float32 scales");
+  }
+  leaf->row = dims.back();
+  leaf->block = block_size;
+  leaf->blocks_per_row = (leaf->row + block_size - 1) / block_size;
+  if (leaf->row == 0 || mo.count[1] != n / leaf->row * leaf->blocks_per_row || mo.count[3] != mo.count[1]) {
+    return ffi::Error::InvalidArgument("optax_hybrid adamw: 8-bit moment scales of the wrong size");
+  }
+  leaf->m_scales = static_cast<float*>(mo.data[1]);
+  leaf->v_scales = static_cast<float*>(mo.data[3]);
+  leaf->tables = tables;
+  return ffi::Error::Success();
+}
 
+// Steps every leaf: chunks spread over the calling thread and XLA's pool.
+ffi::Error run_leaves(ffi::ThreadPool& pool, const std::vector<Leaf>& leaves, const Scalars& s, bool adamw,
+                      bool write_params) {
   auto sh = std::make_shared<Shared>();
   for (size_t i = 0; i < leaves.size(); ++i) {
     const int64_t items = leaves[i].work_items();
@@ -1221,9 +1190,8 @@ ffi::Error AdamWImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> scalars, ffi::B
   const int64_t total = static_cast<int64_t>(sh->chunks.size());
   if (total == 0) return ffi::Error::Success();
 
-  auto run = [&leaves, &s, adamw = adamw_mode != 0, write = write_params != 0,
-              run_chunk = kIsa.variant->run_chunk](Shared& shared) {
-    work(shared, leaves, s, adamw, write, run_chunk);
+  auto run = [&leaves, &s, adamw, write_params, run_chunk = kIsa.variant->run_chunk](Shared& shared) {
+    work(shared, leaves, s, adamw, write_params, run_chunk);
   };
   const int64_t helpers = std::min<int64_t>(pool.num_threads(), total - 1);
   // Helpers hold `sh` alive; they may outlive this call but then find no chunk.
@@ -1243,21 +1211,193 @@ ffi::Error AdamWImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> scalars, ffi::B
   return ffi::Error::Success();
 }
 
+// A call's scalars, and its code tables when some leaf is 8-bit.
+ffi::Error read_constants(const ffi::Buffer<ffi::F32>& scalars, const ffi::Buffer<ffi::F32>& code_tables,
+                          int32_t block_size, ffi::Span<const int32_t> quantized, Scalars* s, QuantTables* tables) {
+  if (auto e = read_scalars(scalars, s); e.failure()) return e;
+  const bool any_quantized = std::any_of(quantized.begin(), quantized.end(), [](int32_t q) { return q != 0; });
+  return read_tables(code_tables, block_size, any_quantized, tables);
+}
+
+// A result updated in place: copied in first when XLA did not alias it.
+void* in_place(const ffi::AnyBuffer& in, ffi::Result<ffi::AnyBuffer>& out) {
+  if (out->untyped_data() != in.untyped_data()) std::memcpy(out->untyped_data(), in.untyped_data(), in.size_bytes());
+  return out->untyped_data();
+}
+
+// Every leaf in its own buffers: per leaf the gradient, mu's array(s), nu's,
+// the param if read; per leaf the first result and the moments' results.
+ffi::Error AdamWImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> scalars, ffi::Buffer<ffi::F32> code_tables,
+                     ffi::RemainingArgs args, ffi::RemainingRets rets, int32_t adamw_mode, int32_t write_params,
+                     int32_t block_size, ffi::Span<const int32_t> decay, ffi::Span<const int32_t> has_param,
+                     ffi::Span<const int32_t> quantized) {
+  if (kIsa.variant == nullptr) return ffi::Error::InvalidArgument(kIsa.problem);
+  const size_t n_leaves = decay.size();
+  size_t n_rets = 0;
+  for (size_t i = 0; i < quantized.size(); ++i) n_rets += quantized[i] ? 5 : 3;
+  if (has_param.size() != n_leaves || quantized.size() != n_leaves || rets.size() != n_rets) {
+    return ffi::Error::InvalidArgument("optax_hybrid adamw: inconsistent leaf counts");
+  }
+  Scalars s;
+  QuantTables tables{};
+  if (auto e = read_constants(scalars, code_tables, block_size, quantized, &s, &tables); e.failure()) return e;
+
+  std::vector<Leaf> leaves(n_leaves);
+  size_t arg = 0, ret = 0;
+  for (size_t i = 0; i < n_leaves; ++i) {
+    const bool quantized_leaf = quantized[i] != 0;
+    const size_t n_arrays = quantized_leaf ? 4 : 2;  // mu's codes and scales then nu's, or mu and nu
+    auto g = args.get<ffi::AnyBuffer>(arg++);
+    if (!g.has_value()) return ffi::Error::InvalidArgument("optax_hybrid adamw: missing leaf operand");
+    std::vector<ffi::AnyBuffer> moments;
+    for (size_t k = 0; k < n_arrays; ++k) {
+      auto x = args.get<ffi::AnyBuffer>(arg++);
+      if (!x.has_value()) return ffi::Error::InvalidArgument("optax_hybrid adamw: missing leaf operand");
+      moments.push_back(*x);
+    }
+    void* p = nullptr;
+    if (has_param[i]) {
+      auto pb = args.get<ffi::AnyBuffer>(arg++);
+      if (!pb.has_value()) return ffi::Error::InvalidArgument("optax_hybrid adamw: missing param");
+      p = pb->untyped_data();
+    }
+    auto out = rets.get<ffi::AnyBuffer>(ret++);
+    if (!out.has_value()) return ffi::Error::InvalidArgument("optax_hybrid adamw: missing result");
+    Moments mo;
+    for (size_t k = 0; k < n_arrays; ++k) {
+      auto x = rets.get<ffi::AnyBuffer>(ret++);
+      if (!x.has_value()) return ffi::Error::InvalidArgument("optax_hybrid adamw: missing result");
+      if ((*x)->size_bytes() != moments[k].size_bytes()) {
+        return ffi::Error::InvalidArgument("optax_hybrid adamw: a moment result differs from its operand");
+      }
+      mo.data[k] = in_place(moments[k], *x);
+      mo.kind[k] = kind_of(moments[k].element_type());
+      mo.count[k] = static_cast<int64_t>(moments[k].element_count());
+    }
+    if (auto e = make_leaf(*g, mo, p, (*out)->untyped_data(), (*out)->element_type(), quantized_leaf, decay[i] != 0,
+                           write_params != 0, block_size, &tables, &leaves[i]);
+        e.failure()) {
+      return e;
+    }
+  }
+  return run_leaves(pool, leaves, s, adamw_mode != 0, write_params != 0);
+}
+
+// The moments of every leaf packed into a few flat buffers ("pools", the last
+// n_pools operands, each updated in place: result k of the pools aliases
+// operand k). Leaf i's slot k (0: mu's values or codes, 1: mu's scales, 2: nu's
+// values or codes, 3: nu's scales) is pool slot_pool[4 i + k] from element
+// slot_offset[4 i + k] (pool -1 for a float leaf's scales). Operands: per leaf
+// the gradient, then the param if read (has_param). Results: per leaf its
+// first result (the update, or the new param, aliased to the param by the
+// caller), then the pools.
+constexpr int kSlots = 4;
+
+ffi::Error AdamWPackedImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> scalars, ffi::Buffer<ffi::F32> code_tables,
+                           ffi::RemainingArgs args, ffi::RemainingRets rets, int32_t adamw_mode,
+                           int32_t write_params, int32_t block_size, ffi::Span<const int32_t> decay,
+                           ffi::Span<const int32_t> has_param, ffi::Span<const int32_t> quantized,
+                           int32_t n_pools, ffi::Span<const int32_t> slot_pool,
+                           ffi::Span<const int64_t> slot_offset) {
+  if (kIsa.variant == nullptr) return ffi::Error::InvalidArgument(kIsa.problem);
+  const size_t n_leaves = decay.size();
+  const size_t n_params = std::count_if(has_param.begin(), has_param.end(), [](int32_t h) { return h != 0; });
+  if (has_param.size() != n_leaves || quantized.size() != n_leaves || slot_pool.size() != kSlots * n_leaves ||
+      slot_offset.size() != kSlots * n_leaves || n_pools < 0 || args.size() != n_leaves + n_params + n_pools ||
+      rets.size() != n_leaves + n_pools) {
+    return ffi::Error::InvalidArgument("optax_hybrid adamw packed: inconsistent leaf or pool counts");
+  }
+  Scalars s;
+  QuantTables tables{};
+  if (auto e = read_constants(scalars, code_tables, block_size, quantized, &s, &tables); e.failure()) return e;
+
+  // The pools, in place.
+  std::vector<char*> pool_data(n_pools);
+  std::vector<Kind> pool_kind(n_pools);
+  std::vector<int64_t> pool_count(n_pools), pool_item(n_pools);
+  for (int32_t k = 0; k < n_pools; ++k) {
+    auto in = args.get<ffi::AnyBuffer>(n_leaves + n_params + k);
+    auto out = rets.get<ffi::AnyBuffer>(n_leaves + k);
+    if (!in.has_value() || !out.has_value() || (*out)->size_bytes() != in->size_bytes()) {
+      return ffi::Error::InvalidArgument("optax_hybrid adamw packed: a pool's result differs from its operand");
+    }
+    pool_data[k] = static_cast<char*>(in_place(*in, *out));
+    pool_kind[k] = kind_of(in->element_type());
+    pool_count[k] = static_cast<int64_t>(in->element_count());
+    pool_item[k] = pool_count[k] == 0 ? 1 : static_cast<int64_t>(in->size_bytes()) / pool_count[k];
+  }
+
+  std::vector<Leaf> leaves(n_leaves);
+  size_t arg = 0;
+  for (size_t i = 0; i < n_leaves; ++i) {
+    auto g = args.get<ffi::AnyBuffer>(arg++);
+    void* p = nullptr;
+    if (has_param[i]) {
+      auto pb = args.get<ffi::AnyBuffer>(arg++);
+      if (!pb.has_value()) return ffi::Error::InvalidArgument("optax_hybrid adamw packed: missing param");
+      p = pb->untyped_data();
+    }
+    auto out = rets.get<ffi::AnyBuffer>(i);
+    if (!g.has_value() || !out.has_value()) {
+      return ffi::Error::InvalidArgument("optax_hybrid adamw packed: missing gradient or result");
+    }
+    const bool quantized_leaf = quantized[i] != 0;
+    const int64_t n = static_cast<int64_t>(g->element_count());
+    const auto dims = g->dimensions();
+    const int64_t row = dims.size() == 0 ? 1 : dims.back();
+    const int64_t n_scales = row == 0 || block_size < 1 ? 0 : n / row * ((row + block_size - 1) / block_size);
+    Moments mo;
+    const int n_arrays = quantized_leaf ? 4 : 2;  // mu's codes and scales then nu's, or mu and nu
+    for (int k = 0; k < n_arrays; ++k) {
+      const int slot = quantized_leaf ? k : 2 * k;
+      const int32_t at = slot_pool[kSlots * i + slot];
+      const int64_t offset = slot_offset[kSlots * i + slot];
+      const int64_t count = slot % 2 == 1 ? n_scales : n;
+      if (at < 0 || at >= n_pools || offset < 0 || offset + count > pool_count[at]) {
+        return ffi::Error::InvalidArgument("optax_hybrid adamw packed: a moment outside its pool");
+      }
+      mo.data[k] = pool_data[at] + offset * pool_item[at];
+      mo.kind[k] = pool_kind[at];
+      mo.count[k] = count;
+    }
+    if (auto e = make_leaf(*g, mo, p, (*out)->untyped_data(), (*out)->element_type(), quantized_leaf, decay[i] != 0,
+                           write_params != 0, block_size, &tables, &leaves[i]);
+        e.failure()) {
+      return e;
+    }
+  }
+  return run_leaves(pool, leaves, s, adamw_mode != 0, write_params != 0);
+}
+
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(OptaxHybridAdamWCpu, AdamWImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // scalars
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // code tables
-                                  .RemainingArgs()
-                                  .RemainingRets()
-                                  .Attr<int32_t>("adamw_mode")
-                                  .Attr<int32_t>("write_params")
-                                  .Attr<int32_t>("block_size")
-                                  .Attr<ffi::Span<const int32_t>>("decay")
-                                  .Attr<ffi::Span<const int32_t>>("has_param")
-                                  .Attr<ffi::Span<const int32_t>>("quantized"));
+namespace {
+
+// What both calls take, in this order; the packed call adds its pools' attributes.
+auto adamw_binding() {
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::ThreadPool>()
+      .Arg<ffi::Buffer<ffi::F32>>()  // scalars
+      .Arg<ffi::Buffer<ffi::F32>>()  // code tables
+      .RemainingArgs()
+      .RemainingRets()
+      .Attr<int32_t>("adamw_mode")
+      .Attr<int32_t>("write_params")
+      .Attr<int32_t>("block_size")
+      .Attr<ffi::Span<const int32_t>>("decay")
+      .Attr<ffi::Span<const int32_t>>("has_param")
+      .Attr<ffi::Span<const int32_t>>("quantized");
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(OptaxHybridAdamWCpu, AdamWImpl, adamw_binding());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(OptaxHybridAdamWPackedCpu, AdamWPackedImpl,
+                              adamw_binding()
+                                  .Attr<int32_t>("n_pools")
+                                  .Attr<ffi::Span<const int32_t>>("slot_pool")
+                                  .Attr<ffi::Span<const int64_t>>("slot_offset"));
 
 // Which instruction set the kernel runs, for optax_hybrid.kernels.native_cpu
 // (through ctypes): its name, or nullptr when OPTAX_HYBRID_NATIVE_ISA asks for

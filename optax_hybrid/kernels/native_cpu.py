@@ -39,13 +39,17 @@ from typing import Any, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from optax_hybrid import _compat
 from optax_hybrid.base import DECOUPLED
-from optax_hybrid.kernels import contract, quantized, reference
+from optax_hybrid.kernels import contract, packed, quantized, reference
 
 TARGET = "optax_hybrid_adamw_cpu"
 _SYMBOL = "OptaxHybridAdamWCpu"
+#: The call over leaves whose moments are packed into pools (:mod:`optax_hybrid.kernels.packed`).
+PACKED_TARGET = "optax_hybrid_adamw_packed_cpu"
+_PACKED_SYMBOL = "OptaxHybridAdamWPackedCpu"
 ISA_VARIABLE = "OPTAX_HYBRID_NATIVE_ISA"
 _LIBRARY_STEM = "_native_cpu"
 
@@ -79,7 +83,7 @@ def _load() -> bool:
     return False
   try:
     library = ctypes.CDLL(path)
-    handler = getattr(library, _SYMBOL)
+    handler, packed_handler = getattr(library, _SYMBOL), getattr(library, _PACKED_SYMBOL)
     isa_name, isa_problem, cpu_runs = (_c_string_function(library, name) for name in (
         "OptaxHybridIsa", "OptaxHybridIsaProblem", "OptaxHybridIsasThisCpuRuns"))
   except OSError as e:
@@ -94,6 +98,7 @@ def _load() -> bool:
     return False
   try:
     jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(handler), platform="cpu")
+    jax.ffi.register_ffi_target(PACKED_TARGET, jax.ffi.pycapsule(packed_handler), platform="cpu")
   except ValueError as e:
     _state["error"] = f"registering {path} with XLA failed: {e}"
     return False
@@ -188,6 +193,8 @@ def _supports_quantized(leaf: contract.LeafOperands, fact: contract.LeafFacts, s
 def supports(leaf: contract.LeafOperands, fact: contract.LeafFacts, step: contract.Step) -> bool:
   """Whether the compiled loops cover this leaf: its rule (:func:`implements`) and dtypes (``run_leaf`` in the C++)."""
   t = np.dtype(leaf.grad.dtype)
+  if isinstance(leaf.param, packed.PackedSlice):  # a packed master stepped as the param: params are operands
+    return False
   if t not in contract.STORAGE_DTYPES or (leaf.param is not None and np.dtype(leaf.param.dtype) != t):
     return False
   mu, nu = leaf.state
@@ -247,6 +254,99 @@ def _native_call(leaves, facts, s, step):
   return results
 
 
+def _is_slice(x: Any) -> bool:
+  return isinstance(x, packed.PackedSlice)
+
+
+def _pools(leaves: Sequence[contract.LeafOperands]) -> dict[str, Any]:
+  """``{key: pool}`` of the pools the leaves' moments are packed into, in the order first met."""
+  pools = {}
+  for leaf in leaves:
+    for x in jax.tree.leaves(leaf.state, is_leaf=_is_slice):
+      pools.setdefault(x.key, x.pool)
+  return pools
+
+
+# Slot of each of a leaf's moment arrays in the packed call (native_cpu.cc: AdamWPackedImpl):
+# mu and nu, or mu's codes and scales then nu's.
+_FLOAT_SLOTS, _QUANTIZED_SLOTS = (0, 2), (0, 1, 2, 3)
+
+
+def _packed_call(leaves, facts, s, step, pools: dict[str, Any]) -> tuple[list, dict[str, Any]]:
+  """One custom call over at most :data:`MAX_LEAVES_PER_CALL` leaves whose moments are in ``pools``.
+
+  Per leaf, the operands are the gradient and the param if read, the results
+  the first result (aliased to the param when it is written); then every
+  pool, updated in place. Returns the first results and the new pools.
+  """
+  keys = list(pools)
+  operands, has_param, aliases = [], [], {}
+  slot_pool = np.full((len(leaves), 4), -1, np.int32)
+  slot_offset = np.zeros((len(leaves), 4), np.int64)
+  for i, leaf in enumerate(leaves):
+    operands.append(leaf.grad)
+    if leaf.param is not None:
+      if step.write_params:
+        aliases[2 + len(operands)] = i  # the new param overwrites the old one in place
+      operands.append(leaf.param)
+    has_param.append(0 if leaf.param is None else 1)
+    arrays = jax.tree.leaves(leaf.state, is_leaf=_is_slice)
+    for slot, x in zip(_QUANTIZED_SLOTS if _is_quantized(leaf.state[0]) else _FLOAT_SLOTS, arrays):
+      slot_pool[i, slot], slot_offset[i, slot] = keys.index(x.key), x.offset
+  first = 2 + len(operands)  # operands 0 and 1 are the scalars and the code tables
+  aliases.update({first + k: len(leaves) + k for k in range(len(keys))})
+  result_types = [jax.ShapeDtypeStruct(leaf.grad.shape, fact.out_dtype) for leaf, fact in zip(leaves, facts)]
+  result_types += [jax.ShapeDtypeStruct(pools[k].shape, pools[k].dtype) for k in keys]
+  tables = _compat.move(jnp.asarray(CODE_TABLES), _compat.memory_space_of(leaves[0].grad))
+  outs = jax.ffi.ffi_call(PACKED_TARGET, result_types, input_output_aliases=aliases)(
+      contract.pack_scalars(s, SCALARS), tables, *operands, *(pools[k] for k in keys),
+      adamw_mode=np.int32(step.decay == DECOUPLED), write_params=np.int32(step.write_params),
+      block_size=np.int32(quantized.BLOCK_SIZE), n_pools=np.int32(len(keys)),
+      decay=np.asarray([int(f.decay) for f in facts], np.int32), has_param=np.asarray(has_param, np.int32),
+      quantized=np.asarray([int(_is_quantized(leaf.state[0])) for leaf in leaves], np.int32),
+      slot_pool=slot_pool.ravel(), slot_offset=slot_offset.ravel())
+  return list(outs[:len(leaves)]), dict(zip(keys, outs[len(leaves):]))
+
+
+def _in_pools(leaves, facts, s, step) -> list[contract.LeafResult]:
+  """Leaves whose moments are packed: calls of at most 64 leaves, each updating the pools in place.
+
+  The pools pass from one call to the next; every leaf's new state is a
+  slice of the last call's pools.
+  """
+  pools, firsts = _pools(leaves), []
+  for part in contract.chunks(len(leaves), MAX_LEAVES_PER_CALL):
+    new_firsts, pools = _packed_call(leaves[part], facts[part], s, step, pools)
+    firsts += new_firsts
+  moved = lambda x: packed.PackedSlice(pools[x.key], x.key, x.offset, x.shape)
+  return [contract.LeafResult(f, jax.tree.map(moved, tuple(leaf.state),
+                                              is_leaf=_is_slice))
+          for f, leaf in zip(firsts, leaves)]
+
+
+def _packed_with_reference_for_the_rest(leaves, facts, s, step) -> list[contract.LeafResult]:
+  """:func:`reference.with_reference_for_the_rest` for packed leaves: the reference's leaves first.
+
+  Where they share a pool with the kernel's leaves (pools are per dtype, so
+  rarely), they read it before the calls update it in place: a barrier
+  orders those reads first.
+  """
+  taken = [supports(leaf, fact, step) for leaf, fact in zip(leaves, facts)]
+  pick = lambda xs, want: [x for x, t in zip(xs, taken) if t == want]
+  rule_out = reference.update_leaves(pick(leaves, False), pick(facts, False), s, step) if not all(taken) else []
+  if not any(taken):
+    return rule_out
+  kept = pick(leaves, True)
+  pools = _pools(kept)
+  shared = {k: pools[k] for k in _pools(pick(leaves, False)) if k in pools}
+  if shared:
+    shared, rule_out = lax.optimization_barrier((shared, rule_out))
+    now = lambda x: packed.PackedSlice(shared.get(x.key, x.pool), x.key, x.offset, x.shape)
+    kept = [leaf._replace(state=jax.tree.map(now, tuple(leaf.state), is_leaf=_is_slice)) for leaf in kept]
+  kernel_out, rule_out = iter(_in_pools(kept, pick(facts, True), s, step)), iter(rule_out)
+  return [next(kernel_out) if t else next(rule_out) for t in taken]
+
+
 def update_leaves(
     leaves: Sequence[contract.LeafOperands],
     facts: Sequence[contract.LeafFacts],
@@ -272,6 +372,11 @@ def update_leaves(
   if step.master is not None:
     return reference.with_master_as_param(lambda l, f, plain: update_leaves(l, f, s, plain, direct=direct),
                                           leaves, facts, step)
+
+  if leaves and packed.is_packed(leaves[0].state[0] if leaves[0].state else None):
+    # Packed moments (every leaf of a step, or none): the calls take the pools.
+    return contract.per_platform({"cpu": lambda leaves: _packed_with_reference_for_the_rest(leaves, facts, s, step),
+                                  "default": lambda leaves: reference.update_leaves(leaves, facts, s, step)}, leaves)
 
   def run_native(leaves, facts):
     on_cpu = lambda leaves: contract.in_chunks(lambda l, f: _native_call(l, f, s, step), leaves, facts,

@@ -50,7 +50,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pl_triton
 
-from optax_hybrid.kernels import contract, quantized, reference
+from optax_hybrid.kernels import contract, packed, quantized, reference
 
 # Elements per program, and warps per program. Power-of-two blocks are a Triton
 # requirement; 4096 fp32 elements per 8 warps is 16 per thread, enough
@@ -403,6 +403,7 @@ def update_leaves(
       raise ValueError(f"pallas kernel: `{name}` must be a positive power of two, got {value}.")
   if not implements(step.rule):
     return reference.update_leaves(leaves, facts, s, step)
+  leaves = [packed.read_operands(leaf) for leaf in leaves]  # packed state (a CPU layout) read from its pools
   if step.master is not None and step.master.steps_as_param:  # a float32 copy: stepped as the param
     return reference.with_master_as_param(
         lambda l, f, plain: update_leaves(l, f, s, plain, block_size=block_size, rows_per_program=rows_per_program,

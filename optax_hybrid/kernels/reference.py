@@ -30,7 +30,7 @@ from jax import lax
 
 from optax_hybrid import _compat, masters
 from optax_hybrid.base import DECOUPLED, L2
-from optax_hybrid.kernels import quantized
+from optax_hybrid.kernels import packed, quantized
 from optax_hybrid.kernels.contract import LeafFacts, LeafOperands, LeafResult, Step
 
 
@@ -178,7 +178,9 @@ def update_leaves(
   Returns one :class:`LeafResult` per leaf: ``(update, new state)``, or
   ``(new_param, new state)`` with ``step.write_params``. Large leaves with
   8-bit storage are updated in slices of rows (:func:`_in_row_slices`).
+  Packed state (:mod:`packed`) is read from its pools; its new values are arrays.
   """
+  leaves = [packed.read_operands(leaf) for leaf in leaves]
   return [_in_row_slices(leaf, fact, s, step) if _sliced(leaf, fact) else _whole(leaf, fact, s, step)
           for leaf, fact in zip(leaves, facts)]
 

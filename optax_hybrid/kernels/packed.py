@@ -1,0 +1,80 @@
+"""One leaf's state array stored in a slice of a flat buffer that many leaves share (``state_layout="packed"``).
+
+The storage format once, as :mod:`quantized` is for 8-bit values: a
+:class:`PackedSlice` is one array of one leaf (a field's values, 8-bit codes
+or scales), at a static offset in a *pool*, a 1-D array holding that array
+for many leaves; :func:`read` gives its values. A kernel that takes pools
+(the native CPU kernel) steps its leaves in place inside them and returns
+slices of the new pools; every other kernel reads its operands' slices
+(:func:`read_operands`) and returns the leaves' new values as arrays, which
+:mod:`optax_hybrid.packing` writes back into the pools.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+from jax import lax
+
+from optax_hybrid.kernels import quantized
+from optax_hybrid.kernels.contract import LeafOperands
+
+
+@jax.tree_util.register_pytree_node_class
+class PackedSlice:
+  """The array of ``shape`` stored in ``pool[offset:offset + size]``; ``key`` names the pool (static, hashable).
+
+  A pytree whose only child is the pool, so that ``jit``, barriers and
+  ``lax.platform_dependent`` carry it as the one array it is.
+  """
+
+  __slots__ = ("pool", "key", "offset", "shape")
+
+  def __init__(self, pool: Any, key: Any, offset: int, shape: tuple):
+    self.pool, self.key, self.offset, self.shape = pool, key, offset, tuple(shape)
+
+  @property
+  def dtype(self) -> Any:
+    return self.pool.dtype
+
+  @property
+  def size(self) -> int:
+    return math.prod(self.shape)
+
+  @property
+  def ndim(self) -> int:
+    return len(self.shape)
+
+  def tree_flatten(self):
+    return (self.pool,), (self.key, self.offset, self.shape)
+
+  @classmethod
+  def tree_unflatten(cls, aux, children):
+    return cls(children[0], *aux)
+
+  def __repr__(self) -> str:
+    return f"PackedSlice({self.key!r}[{self.offset}:{self.offset + self.size}], shape={self.shape})"
+
+
+def read(x: Any) -> Any:
+  """``x``'s values: a :class:`PackedSlice` read from its pool (in an 8-bit record too); anything else as it is."""
+  if isinstance(x, PackedSlice):
+    return lax.slice(x.pool, (x.offset,), (x.offset + x.size,)).reshape(x.shape)
+  if isinstance(x, quantized.QuantizedMoment):
+    return quantized.QuantizedMoment(read(x.codes), read(x.scales))
+  return x
+
+
+def is_packed(x: Any) -> bool:
+  """Whether ``x`` (a field's value, plain or 8-bit) is stored in a pool."""
+  return isinstance(getattr(x, "codes", x), PackedSlice)
+
+
+def read_operands(leaf: LeafOperands) -> LeafOperands:
+  """A leaf's operands with every packed array read from its pool: what a kernel without pools takes."""
+  return LeafOperands(leaf.grad, tuple(read(x) for x in leaf.state), read(leaf.param), read(leaf.master))
+
+
+__all__ = ["PackedSlice", "is_packed", "read", "read_operands"]

@@ -1,0 +1,224 @@
+"""The packed state layout (``state_layout="packed"``): every leaf's state in a few flat buffers.
+
+With the default layout, ``"leaves"``, each params-shaped attribute of the
+state (the rule's fields, their 8-bit scales, ``master``) holds one array per
+param leaf: the Optax contract. A jitted step takes and returns each of them
+as a buffer of its own, and the runtime's cost per buffer (argument checks,
+donation, a result array per output: a few microseconds each on a CPU) adds up
+on trees of many small leaves: Adam on 1024 leaves takes 4,098 buffers in and
+returns 3,074. With ``"packed"`` each such attribute holds a dict of a few
+1-D arrays, *pools*, one per storage dtype (and per master format of the
+leaves stepped together), and every leaf's array is a static slice of one of
+them (:class:`Layout`, made once by ``init``): Adam on the same tree then
+takes 2,052 buffers in and returns 1,028, the params' and gradients' and four
+of its own.
+
+``state.mu == {"float32": Array(16777216,)}``: the pools are keyed by dtype
+name (``"float32 with float32 master"`` for the leaves stepped through a
+master format, which run as a group of their own). The native CPU kernel steps
+the leaves in place inside the pools (:mod:`optax_hybrid.kernels.packed`);
+the XLA rule reads slices and its new values are concatenated back.
+
+What it gives up (the default keeps all of it):
+
+* The state is not params-shaped: ``optax.tree_utils.tree_map_params`` sees
+  the pools as non-params state (``transform_non_params`` maps them), and a
+  sharding per leaf cannot be expressed: one CPU device only, the ``device``
+  tier only (no host, disk or ZeRO-1 placement, no fractions).
+* :func:`optax_hybrid.moment_values` still returns params-shaped trees; a
+  checkpoint restores into a state of the same layout (not across layouts);
+  ``tx.begin_step`` (a step in parts) needs the leaves layout.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from optax_hybrid import placement, tiers as tiers_lib
+from optax_hybrid.kernels import quantized
+from optax_hybrid.kernels.packed import PackedSlice, is_packed
+from optax_hybrid.plan import Plan, keeps
+
+
+@dataclasses.dataclass(frozen=True)
+class Slot:
+  """Where one leaf's array of one attribute is: pool ``pool`` from element ``offset``, shaped ``shape``."""
+
+  pool: str
+  offset: int
+  shape: tuple
+
+  @property
+  def size(self) -> int:
+    return math.prod(self.shape)
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+  """Where every leaf's state is in the pools: static, made once by :func:`make_layout`.
+
+  Attributes:
+    treedef: the params' tree structure (the state no longer shows it).
+    pools: per params-shaped attribute (in the state's order), its pools as
+      ``(key, dtype name, size)``.
+    slots: per attribute, one :class:`Slot` per leaf (None where the leaf
+      keeps nothing there: no master, no 8-bit scales).
+  """
+
+  treedef: Any
+  pools: tuple
+  slots: tuple
+
+  def pools_of(self, attribute: str) -> tuple:
+    return dict(self.pools)[attribute]
+
+  def slots_of(self, attribute: str) -> tuple:
+    return dict(self.slots)[attribute]
+
+  @property
+  def attributes(self) -> tuple[str, ...]:
+    return tuple(name for name, _ in self.pools)
+
+
+def _dtype(plan: Plan, i: int, attribute: str) -> np.dtype:
+  """The dtype leaf ``i`` keeps in ``attribute``: a field's storage (8-bit codes), scales, or master."""
+  lp = plan.leaves[i]
+  if attribute == "master":
+    return np.dtype(lp.master_dtype)
+  if attribute.endswith("_scales"):
+    return np.dtype(quantized.SCALE_DTYPE)
+  return np.dtype(quantized.CODE_DTYPE) if lp.quantized else np.dtype(lp.dtypes[plan.field_names.index(attribute)])
+
+
+def _pool_key(dtype: np.dtype, lp: Any) -> str:
+  """The pool of a leaf's array of ``dtype``: per dtype, master format, and complex params apart.
+
+  The leaves of a master format run as a group of their own (one chain of
+  kernel calls per pool), and a complex param's real fields (Adam's ``nu``)
+  are stepped by the XLA rule, not the native kernel, so they do not share a
+  pool that the kernel updates in place (XLA would copy it for their reads).
+  """
+  key = dtype.name
+  if lp.master is not None:
+    key += f" with {lp.master.name} master"
+  if jnp.issubdtype(lp.param_dtype, jnp.complexfloating) and not jnp.issubdtype(dtype, jnp.complexfloating):
+    key += f" of {np.dtype(lp.param_dtype).name} params"
+  return key
+
+
+def make_layout(plan: Plan, params: Any, attributes: Sequence[str]) -> Layout:
+  """Checks that every leaf can be packed and lays out ``attributes`` of the state, leaf after leaf.
+
+  Raises:
+    ValueError: for a leaf outside the device tier, on several devices or on
+      a device that is not a CPU, naming it and the fix.
+  """
+  params, treedef = jax.tree.flatten(params)
+  for lp, p in zip(plan.leaves, params):
+    _check_packable(plan, lp, p)
+  pools, slots = [], []
+  for attribute in attributes:
+    sizes, dtypes, leaf_slots = {}, {}, []
+    for i, (lp, p) in enumerate(zip(plan.leaves, params)):
+      if not keeps(lp, attribute):
+        leaf_slots.append(None)
+        continue
+      dtype = _dtype(plan, i, attribute)
+      key = _pool_key(dtype, lp)
+      shape = quantized.scales_shape(np.shape(p)) if attribute.endswith("_scales") else tuple(np.shape(p))
+      leaf_slots.append(Slot(key, sizes.get(key, 0), tuple(shape)))
+      sizes[key], dtypes[key] = sizes.get(key, 0) + math.prod(shape), dtype.name
+    pools.append((attribute, tuple((k, dtypes[k], n) for k, n in sizes.items())))
+    slots.append((attribute, tuple(leaf_slots)))
+  return Layout(treedef, tuple(pools), tuple(slots))
+
+
+def _check_packable(plan: Plan, lp: Any, param: Any) -> None:
+  owner, fix = plan.owner, "or keep state_layout='leaves' (the default)"
+  if lp.tier != tiers_lib.DEVICE_TIER or lp.state_space != placement.space_of_kind(placement.DEVICE_KIND):
+    raise ValueError(f"{owner}: state_layout='packed' keeps the state in device memory; {lp.path} is in the "
+                     f"{lp.tier!r} tier with its state in {lp.state_kind!r}. Use the device tier, {fix}.")
+  devices = placement.devices_of(param)
+  if plan.split != "direct" or not lp.on_one_device or len(devices) != 1:
+    raise ValueError(f"{owner}: state_layout='packed' packs the state of one device; {lp.path} is placed on "
+                     f"{len(devices)} devices (or the process has several). Step sharded params {fix}.")
+  if devices[0].platform != "cpu":
+    raise ValueError(f"{owner}: state_layout='packed' is a CPU layout (its kernel is the native CPU kernel); "
+                     f"{lp.path} is on a {devices[0].platform} device. On a GPU {fix}: one Pallas launch "
+                     "steps 64 leaves there.")
+
+
+def pack(plan: Plan, attribute: str, arrays: Sequence[Any]) -> dict[str, Any]:
+  """``{key: pool}`` of ``attribute`` from one array per leaf (``init``'s values; ignored where it keeps none)."""
+  slots = plan.layout.slots_of(attribute)
+  out = {}
+  for key, dtype, size in plan.layout.pools_of(attribute):
+    members = [x for x, slot in zip(arrays, slots) if slot is not None and slot.pool == key]
+    if any(isinstance(x, jax.ShapeDtypeStruct) for x in members):
+      out[key] = jax.ShapeDtypeStruct((size,), np.dtype(dtype), sharding=getattr(members[0], "sharding", None))
+    else:
+      out[key] = jnp.concatenate([jnp.ravel(x) for x in members]) if members else jnp.zeros((0,), dtype)
+  return out
+
+
+def _pools(state: Any, plan: Plan, attribute: str) -> dict[str, Any]:
+  """The state's pools of ``attribute``, checked against the layout."""
+  got = getattr(state, attribute)
+  wanted = plan.layout.pools_of(attribute)
+  if not isinstance(got, dict) or set(got) != {k for k, _, _ in wanted} or any(
+      tuple(got[k].shape) != (n,) or np.dtype(got[k].dtype) != np.dtype(d) for k, d, n in wanted):
+    described = {k: f"{d}[{n}]" for k, d, n in wanted}
+    raise ValueError(f"{plan.owner}: state.{attribute} does not hold the packed layout its plan describes "
+                     f"({described}); make the state with this optimizer's init (state_layout='packed').")
+  return got
+
+
+def leaf_state(state: Any, plan: Plan) -> tuple[list[tuple], list[Any]]:
+  """Each leaf's field values as slices of the pools (8-bit: codes and scales), and its master's (or None)."""
+  names = plan.field_names
+  values = {}
+  for attribute in plan.layout.attributes:
+    pools = _pools(state, plan, attribute)
+    values[attribute] = [None if slot is None else
+                         PackedSlice(pools[slot.pool], (attribute, slot.pool), slot.offset, slot.shape)
+                         for slot in plan.layout.slots_of(attribute)]
+  fields = []
+  for i, lp in enumerate(plan.leaves):
+    if lp.quantized:
+      fields.append(tuple(quantized.QuantizedMoment(values[n][i], values[n + "_scales"][i]) for n in names))
+    else:
+      fields.append(tuple(values[n][i] for n in names))
+  return fields, values.get("master", [None] * len(plan.leaves))
+
+
+def repacked(plan: Plan, attribute: str, values: Sequence[Any]) -> dict[str, Any]:
+  """``attribute``'s new pools from each leaf's new value (a slice of a new pool, or an array; None: keeps none).
+
+  A kernel that stepped leaves in their pools returns slices of its last
+  pools: those are the new pools, with the values that another kernel
+  returned as arrays written into them (in place). A pool whose leaves were
+  all stepped by a kernel without pools is their values concatenated.
+  """
+  slots = plan.layout.slots_of(attribute)
+  out = {}
+  for key, _, _ in plan.layout.pools_of(attribute):
+    members = [(slot, x) for slot, x in zip(slots, values) if slot is not None and slot.pool == key]
+    stepped = [x.pool for _, x in members if is_packed(x)]
+    if not stepped:
+      out[key] = jnp.concatenate([jnp.ravel(x) for _, x in members])
+      continue
+    pool = stepped[-1]
+    for slot, x in members:
+      if not is_packed(x):
+        pool = jax.lax.dynamic_update_slice(pool, jnp.ravel(x).astype(pool.dtype), (slot.offset,))
+    out[key] = pool
+  return out
+
+
+__all__ = ["Layout", "Slot", "leaf_state", "make_layout", "pack", "repacked"]
