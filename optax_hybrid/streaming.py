@@ -120,6 +120,16 @@ def _length(tree: Any, name: str, owner: str = "scan_layers") -> int:
 # (a slice of a host array, copied to the device, is one transfer for XLA);
 # reshapes happen on the device side.
 
+def _may_be_split() -> bool:
+  """Can a traced stack be split over a mesh? In a process of several devices, yes: the trace cannot see it.
+
+  What XLA's partitioner cannot split (a layout constraint, ``lax.empty``,
+  both custom calls) it gives a whole operand on every device, so the
+  loops leave them out there.
+  """
+  return jax.device_count() > 1
+
+
 def _slice(tree: Any, i: Any) -> Any:
   """Slice ``i`` of each stacked array of ``tree``, on the device, row-major.
 
@@ -132,7 +142,7 @@ def _slice(tree: Any, i: Any) -> Any:
   per pass and sliced its share back (an H200 node, width 512: 5.2 layers
   gathered per layer against 2.0 without it).
   """
-  constrain = _compat.row_major if jax.device_count() == 1 else (lambda x: x)
+  constrain = (lambda x: x) if _may_be_split() else _compat.row_major
   return jax.tree.map(lambda a: constrain(_compat.move(lax.dynamic_slice_in_dim(a, i, 1), DEVICE)[0]), tree)
 
 
@@ -155,7 +165,7 @@ def _buffer_like_stack(tree: Any) -> Any:
   zeros, which the partitioner splits like the gradient slices written
   into them).
   """
-  if jax.device_count() == 1:
+  if not _may_be_split():
     return jax.tree.map(lambda a: _compat.move(lax.empty(a.shape, a.dtype), _compat.memory_space_of(a)), tree)
   return jax.tree.map(lambda a: _compat.move(jnp.zeros(a.shape, a.dtype), _compat.memory_space_of(a)), tree)
 
