@@ -3,7 +3,7 @@
     JAX_PLATFORMS=cpu PYTHONPATH=. python benchmarks/step_time.py [--setups A;B] [--batches 1,4,16]
         [--check-depth 16] [--cache compiles.jsonl]
     JAX_PLATFORMS=cpu PYTHONPATH=. python benchmarks/step_time.py --overlap-probe
-    JAX_PLATFORMS=cpu PYTHONPATH=. python benchmarks/step_time.py --one SETUP --layers 4 --batch 4
+    JAX_PLATFORMS=cpu PYTHONPATH=. python benchmarks/step_time.py --one SETUP --layers 4 --batch 4 [--flat-layers]
     JAX_PLATFORMS=cpu PYTHONPATH=. python benchmarks/step_time.py --quick   # a small model, every setup
 
 Needs JAX's CUDA plugin (docs/gpu_compile.md); no GPU. For each setup
@@ -111,16 +111,36 @@ def train_step(setup: Setup, model: models.Model, cfg: models.LlamaConfig, tx: A
   return gpu_memory.train_step_of(tx, model.loss)
 
 
-def compile_one(name: str, layers: int, batch: int, target: str) -> dict:
-  """One compile: params, device and host peak, and the step-time estimate."""
+def flat_layers(params: dict, layer: Callable) -> tuple[dict, Callable]:
+  """``params`` with its stacked layers as one ``(L, N)`` array (each layer's weights one after another in a row)
+  and ``layer`` reading its weights as slices of its row: the copy per layer a streamed trip makes is then one."""
+  stack = params["layers"]
+  names = sorted(stack)
+  shapes = {k: stack[k].shape[1:] for k in names}
+  sizes = {k: math.prod(shapes[k]) for k in names}
+  offsets = dict(zip(names, [sum(sizes[k] for k in names[:j]) for j in range(len(names))]))
+  first = stack[names[0]]
+  flat = jax.ShapeDtypeStruct((first.shape[0], sum(sizes.values())), first.dtype, sharding=first.sharding)
+  unpack = lambda row: {k: row[offsets[k]:offsets[k] + sizes[k]].reshape(shapes[k]) for k in names}
+  return dict(params, layers={"flat": flat}), lambda x, p, rest, batch: layer(x, unpack(p["flat"]), rest, batch)
+
+
+def compile_one(name: str, layers: int, batch: int, target: str, flat: bool = False) -> dict:
+  """One compile: params, device and host peak, and the step-time estimate (``flat``: :func:`flat_layers`)."""
   setup = SETUPS[name]
   cfg = models.LlamaConfig(layers=layers, batch=batch, **SIZES)
   model = models.llama(setup.dtype, stream=setup.streamed, layers=layers, batch=batch,
                        layers_memory_kind="pinned_host" if setup.streamed else "device", **SIZES)
   tx = setup.make_tx()
-  state = gpu_memory.abstract_state(tx, model.params)
-  report = gpu_compile.compile_for_gpu(train_step(setup, model, cfg, tx), model.params, state, model.batch,
-                                       target=target, donate_argnums=(0, 1))
+  params, step = model.params, train_step(setup, model, cfg, tx)
+  if flat:
+    if not setup.in_backward:
+      raise SystemExit("--flat-layers: only the step_in_backward setup")
+    embed, layer, head = models.llama_parts(cfg)
+    params, layer = flat_layers(params, layer)
+    step = models.donation_ordered(optax_hybrid.step_in_backward(tx, embed, layer, head))
+  state = gpu_memory.abstract_state(tx, params)
+  report = gpu_compile.compile_for_gpu(step, params, state, model.batch, target=target, donate_argnums=(0, 1))
   estimate = report.step_time()
   return dict(setup=name, layers=layers, batch=batch, params=model.num_params, device_bytes=report.device_peak_bytes,
               host_bytes=report.host_peak_bytes, warnings=len(report.warnings), to_device=report.to_device_bytes,
@@ -322,11 +342,13 @@ def main(argv=None):
   parser.add_argument("--one-probe", help=argparse.SUPPRESS)
   parser.add_argument("--layers", type=int, default=4, help="--one: layers")
   parser.add_argument("--batch", type=int, default=1, help="--one: sequences of 2048")
+  parser.add_argument("--flat-layers", action="store_true",
+                      help="--one: the stacked layers as one (L, N) array, each weight a slice of a layer's row")
   args = parser.parse_args(argv)
   if args.quick:
     SIZES.update(width=256, heads=2, ffn=688, vocab=1000, seq=128)
   if args.one:
-    print(json.dumps(compile_one(args.one, args.layers, args.batch, args.target)))
+    print(json.dumps(compile_one(args.one, args.layers, args.batch, args.target, args.flat_layers)))
     return None
   if args.one_probe:
     packed, ahead = (x == "True" for x in args.one_probe.split(","))
