@@ -65,7 +65,8 @@ sys.path.insert(0, os.path.join(HERE, os.pardir))
 import gpu_memory  # noqa: E402
 import models  # noqa: E402
 import optax_hybrid  # noqa: E402
-from optax_hybrid import gpu_compile, step_time  # noqa: E402
+from optax_hybrid import gpu_compile  # noqa: E402
+from optax_hybrid.gpu_compile import step_time  # noqa: E402
 
 GB = 1e9
 SIZES = dict(width=4096, heads=32, ffn=11008, vocab=32000, seq=2048)

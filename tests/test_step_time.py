@@ -16,7 +16,8 @@ import os
 
 import pytest
 
-from optax_hybrid import gpu_compile, step_time
+from optax_hybrid import gpu_compile
+from optax_hybrid.gpu_compile import step_time
 
 HW = step_time.Hardware("round figures", peak_flops=1e12, hbm_bandwidth=1e11, pcie_bandwidth=1e9,
                         host_bandwidth=1e10, nvlink_bandwidth=1e10)
