@@ -57,11 +57,9 @@ The package's modules, none of which the optimizer imports:
   as ``optax_hybrid.host_arithmetic_outside_host_compute``).
 """
 
-from optax_hybrid.gpu_compile import step_time
+from optax_hybrid.gpu_compile import hlo, step_time, targets
 from optax_hybrid.gpu_compile.deviceless import compile_for_gpu, compile_lowered
 from optax_hybrid.gpu_compile.hlo import (
-    BOOKKEEPING_OPS,
-    COLLECTIVE_OPS,
     HloInstruction,
     HloSummary,
     LoopTransfers,
@@ -81,7 +79,15 @@ from optax_hybrid.gpu_compile.hlo import (
 from optax_hybrid.gpu_compile.jaxpr_check import host_arithmetic_outside_host_compute
 from optax_hybrid.gpu_compile.plugin import GpuCompileError, cuda_plugin_dir, install_cuda_plugin
 from optax_hybrid.gpu_compile.report import GpuCompileReport
-from optax_hybrid.gpu_compile.targets import TARGETS, load_target, target_device_memory_bytes
+from optax_hybrid.gpu_compile.targets import load_target, target_device_memory_bytes
+
+# Bound here as well as imported: Sphinx reads a constant's docstring from the module that documents it.
+TARGETS = targets.TARGETS
+"""The target names :func:`compile_for_gpu` accepts, and their files (:mod:`optax_hybrid.gpu_compile.targets`)."""
+BOOKKEEPING_OPS = hlo.BOOKKEEPING_OPS
+"""HLO opcodes that launch nothing and move nothing (:mod:`optax_hybrid.gpu_compile.hlo`)."""
+COLLECTIVE_OPS = hlo.COLLECTIVE_OPS
+"""HLO opcodes of collectives between GPUs (:mod:`optax_hybrid.gpu_compile.hlo`)."""
 
 __all__ = [
     "BOOKKEEPING_OPS",
