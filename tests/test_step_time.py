@@ -1,4 +1,4 @@
-"""``optax_hybrid.step_time``: step times read off scheduled HLO, against answers worked out by hand.
+"""``optax_hybrid.gpu_compile.step_time``: step times read off scheduled HLO, against answers worked out by hand.
 
 In-process and compiler-free: small hand-written scheduled modules (and the
 captured H100 modules of ``tests/data/hlo``) on a machine of round figures
