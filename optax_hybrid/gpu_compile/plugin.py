@@ -165,6 +165,3 @@ def topology_devices(target_text: str, num_devices: int) -> tuple:
   except Exception as e:  # the plugin's own error, whatever its type
     raise GpuCompileError(f"Could not build a deviceless CUDA topology of {num_devices} device(s): {e}") from e
   return tuple(topology.devices)
-
-
-# --- stderr capture ------------------------------------------------------------
