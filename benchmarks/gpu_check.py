@@ -36,7 +36,7 @@
    machine's host memory holds (about 70% of it), one step.
 
 Beside each measured step time (sections 4, 5 and 6) the script prints the time
-``optax_hybrid.step_time`` estimates from the same compiled program's HLO
+``optax_hybrid.gpu_compile.step_time`` estimates from the same compiled program's HLO
 (``compiled.as_text()``) on the spec figures of the GPU it runs on (H100 or
 H200 SXM, PCIe 5 x16): the estimate's check on hardware (docs/step_time.md).
 With ``--smoke`` on a CPU the estimate reads the CPU program: the column then
@@ -64,7 +64,8 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, os.pardir))
 sys.path.insert(0, os.path.join(HERE, os.pardir, "tests"))  # the float64 model
 import optax_hybrid  # noqa: E402
-from optax_hybrid import placement, step_time  # noqa: E402
+from optax_hybrid import placement  # noqa: E402
+from optax_hybrid.gpu_compile import gpu_launches, step_time  # noqa: E402
 from optax_hybrid.kernels import LeafFacts, LeafOperands, pallas_gpu, reference, step_of  # noqa: E402
 from optax_hybrid.rules.adamw import AdamW  # noqa: E402
 from stepping import adam_scalars  # noqa: E402  (tests/stepping.py)
@@ -147,7 +148,7 @@ def correctness(block: int, smoke: bool = False) -> None:
   params = {f"l{i:03d}": jnp.zeros((1000 + i,), jnp.float32) for i in range(n_leaves)}
   tx = optax_hybrid.hybrid_adamw(LR, weight_decay=WD, kernel="pallas")
   lowered = jax.jit(tx.step, donate_argnums=(0, 1)).lower(params, tx.init(params), params)
-  launches = pallas_gpu.gpu_launches(lowered.as_text())
+  launches = gpu_launches(lowered.as_text())
   on_gpu = jax.default_backend() == "gpu"
   want = -(-n_leaves // pallas_gpu.MAX_LEAVES_PER_LAUNCH) if on_gpu else 0  # interpret mode: no launch
   check(f"{n_leaves} leaves -> {want} Triton launches", launches == want, f"{launches} launches")
@@ -223,7 +224,7 @@ def correctness_8bit(smoke: bool = False) -> None:
   # What XLA was given: one launch for the kernel's leaves, and no float32 copy of the moments.
   lowered = jitted["pallas"].lower(p, state_of("pallas", s), grads[0])
   on_gpu = jax.default_backend() == "gpu"
-  launches = pallas_gpu.gpu_launches(lowered.as_text())
+  launches = gpu_launches(lowered.as_text())
   check("8-bit moments: one Triton launch", launches == (1 if on_gpu else 0), f"{launches} launches")
   if on_gpu:
     temp = lowered.compile().memory_analysis().temp_size_in_bytes
@@ -258,7 +259,7 @@ def spec_hardware() -> step_time.Hardware:
 
 
 def estimated(compiled, per: int = 1) -> float:
-  """Seconds ``optax_hybrid.step_time`` estimates for a compiled program (divided by ``per`` steps it runs)."""
+  """Seconds ``optax_hybrid.gpu_compile.step_time`` estimates for a compiled program (divided by ``per`` steps it runs)."""
   return step_time.estimate(compiled.as_text(), spec_hardware()).seconds / per
 
 

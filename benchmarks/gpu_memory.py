@@ -704,7 +704,7 @@ def traffic(row: dict) -> dict:
   if not row.get("hlo_file") or not os.path.exists(row["hlo_file"]):
     return {}
   import gzip
-  from optax_hybrid import step_time
+  from optax_hybrid.gpu_compile import step_time
   with gzip.open(row["hlo_file"], "rt") as f:
     hlo = f.read()
   estimate = step_time.estimate(hlo, step_time.H200_SXM)

@@ -12,7 +12,7 @@ of ``benchmarks/models.py``'s Llama-style decoder (width 4096, 32 heads,
 SwiGLU 11008, vocab 32000; loss, gradient, optimizer; params and state
 donated; abstract inputs) is compiled for the H200 target at two depths
 (``--depths``, default 4 and 8 layers) and its step time estimated by
-``optax_hybrid.step_time`` on the H200 SXM / PCIe 5 x16 figures.
+``optax_hybrid.gpu_compile.step_time`` on the H200 SXM / PCIe 5 x16 figures.
 
 The layers are scanned (``lax.scan``, ``scan_layers`` or ``step_in_backward``'s
 loops): a deeper model runs the same loop body more times, so every estimated
@@ -65,7 +65,8 @@ sys.path.insert(0, os.path.join(HERE, os.pardir))
 import gpu_memory  # noqa: E402
 import models  # noqa: E402
 import optax_hybrid  # noqa: E402
-from optax_hybrid import gpu_compile, step_time  # noqa: E402
+from optax_hybrid import gpu_compile  # noqa: E402
+from optax_hybrid.gpu_compile import step_time  # noqa: E402
 
 GB = 1e9
 SIZES = dict(width=4096, heads=32, ffn=11008, vocab=32000, seq=2048)
@@ -263,7 +264,7 @@ def table(args) -> list[dict]:
         rows.append(runner.figures(name, layers, batch))
   print(f"\nThe Llama-style decoder's train step (width 4096, 32 heads, SwiGLU 11008, vocab 32000, sequences of "
         f"{SIZES['seq']}), compiled by XLA:GPU for the {args.target.upper()} at {runner.depths[0]} and {runner.depths[1]} "
-        f"layers and extrapolated to the depth; times estimated by optax_hybrid.step_time on the "
+        f"layers and extrapolated to the depth; times estimated by optax_hybrid.gpu_compile.step_time on the "
         f"{step_time.H200_SXM.name} figures (not measured); jax {jax.__version__}:\n")
   print(HEADER)
   for r in rows:

@@ -28,7 +28,7 @@ Public API:
 * :func:`step_in_backward`: a train step whose optimizer steps each streamed
   layer inside the backward pass, so no gradient of the layers is kept.
 * :func:`host_arithmetic_outside_host_compute`: finds device arithmetic on
-  host-resident values in a jaxpr.
+  host-resident values in a jaxpr (from :mod:`optax_hybrid.gpu_compile`).
 * :mod:`optax_hybrid.checkpoint`: Orbax save/restore that keeps memory kinds.
 * :func:`memory_report` / :class:`MemoryReport`: where training memory went,
   by tier and by memory (device, host, disk).
@@ -43,8 +43,9 @@ Public API:
   the disk tier; :mod:`optax_hybrid.plan`: every per-leaf decision ``init``
   makes (``state.plan``).
 * :mod:`optax_hybrid.gpu_compile`: compile a step for an H100/H200 without a
-  GPU and read what XLA planned (``import optax_hybrid.gpu_compile``; needs
-  JAX's CUDA plugin: ``gpu_compile.install_cuda_plugin()``).
+  GPU and read what XLA planned, and estimate its step time
+  (:mod:`optax_hybrid.gpu_compile.step_time`); compiling needs JAX's CUDA
+  plugin: ``gpu_compile.install_cuda_plugin()``.
 """
 
 import warnings as _warnings
@@ -55,7 +56,6 @@ from optax_hybrid.placement import (
     apply_updates,
     available_memory_kinds,
     commit,
-    host_arithmetic_outside_host_compute,
 )
 from optax_hybrid.placed import clip_by_global_norm, global_norm
 from optax_hybrid.recipe import last_learning_rate, standard_optimizer
@@ -67,6 +67,8 @@ from optax_hybrid.rules.adamw import HybridAdamState, hybrid_adamw, scale_by_hyb
 from optax_hybrid.rules.lion import HybridLionState, hybrid_lion
 from optax_hybrid.rules.sgd import HybridSgdState, hybrid_sgd
 from optax_hybrid.transform import HybridOptimizer, StepInParts, moment_values
+# A tool of the GPU-compile package, exported here as the check users run on their own train step.
+from optax_hybrid.gpu_compile.jaxpr_check import host_arithmetic_outside_host_compute
 
 __version__ = "0.1.0"
 

@@ -7,8 +7,8 @@ params-shaped field holds for a leaf that keeps nothing in it:
 :func:`empty_entry`), and holds the helpers that
 keep arithmetic where its values live: :func:`map_where_they_live` (host
 values inside one host-compute region), :func:`apply_updates`,
-:func:`all_finite`, and the jaxpr check
-:func:`host_arithmetic_outside_host_compute`. Which leaf runs where is decided
+and :func:`all_finite` (the jaxpr check that finds arithmetic outside them is
+:func:`optax_hybrid.gpu_compile.host_arithmetic_outside_host_compute`). Which leaf runs where is decided
 by the plan (:mod:`optax_hybrid.plan`) and carried out by
 :mod:`optax_hybrid.pipeline`.
 
@@ -500,68 +500,3 @@ def apply_updates(params: Any, updates: Any) -> Any:
   for i, r in zip(present, sums):
     out[i] = r
   return jax.tree.unflatten(treedef, out)
-
-
-# ---------------------------------------------------------------------------
-# Checking a program for hidden host arithmetic
-# ---------------------------------------------------------------------------
-
-# Primitives that move or relabel data without computing on it.
-# A layout constraint (host compute's operands: _compat.row_major) only fixes
-# how a value is laid out; a dynamic slice cuts a part of a host array to be
-# moved, and a dynamic update slice writes a moved part into one (XLA:GPU
-# makes each a copy across the link: scan_layers' slices of a layer stack).
-_DATA_MOVEMENT = frozenset({"device_put", "copy", "copy_p", "optimization_barrier", "layout_constraint",
-                            "dynamic_slice", "dynamic_update_slice"})
-
-
-def _sub_jaxprs(eqn) -> list:
-  subs = []
-  for value in eqn.params.values():
-    for v in value if isinstance(value, (tuple, list)) else (value,):
-      if isinstance(v, _compat.ClosedJaxpr):
-        subs.append(v.jaxpr)
-      elif isinstance(v, _compat.Jaxpr):
-        subs.append(v)
-  return subs
-
-
-def host_arithmetic_outside_host_compute(jaxpr: Any) -> list[str]:
-  """Lists the operations that compute on a host-memory value outside host compute.
-
-  On a GPU, XLA turns such an operation into host compute silently (with only a
-  log warning), which is slow; on a CPU it just runs, so the mistake would go
-  unnoticed in CPU tests. Run this on ``jax.make_jaxpr(train_step)(...)``: an
-  empty list means every computation on host-resident values is inside
-  ``compute_on('device_host')`` and everything else only moves them.
-
-  Args:
-    jaxpr: a ``ClosedJaxpr`` or ``Jaxpr``.
-
-  Returns:
-    One line per offending equation: the primitive and the host-typed operands.
-  """
-  jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
-  found: list[str] = []
-
-  def visit(jx):
-    for eqn in jx.eqns:
-      name = eqn.primitive.name
-      if name == "compute_on":
-        continue  # explicit host (or device) compute: allowed by design
-      subs = _sub_jaxprs(eqn)
-      if subs:
-        for sub in subs:
-          visit(sub)
-        continue
-      if name in _DATA_MOVEMENT:
-        continue
-      host_inputs = [
-          str(v.aval) for v in eqn.invars
-          if getattr(getattr(v, "aval", None), "memory_space", None) == HOST
-      ]
-      if host_inputs:
-        found.append(f"{name} on {', '.join(host_inputs)}")
-
-  visit(jaxpr)
-  return found

@@ -249,8 +249,160 @@ def _packed_slices(key_path: Any, node: Any, plan: Plan):
       yield where, sub_path, placed, field
 
 
-# 115 code lines with its nested helpers: one pass over the params and every state, whose helpers share
-# six accumulators (attached bytes, by component, per device, tiers...); split, they would travel as arguments.
+class _Tally:
+  """The bytes :func:`memory_report` counts, as it walks the params and then every state in ``opt_state``.
+
+  Per param leaf: its placement, the bytes of state attached to it by memory
+  (``attached``), whether any state is (``has_state``), and the tier a plan
+  names for it (``planned``); over all leaves: bytes by component and by
+  memory, and device bytes per device.
+  """
+
+  def __init__(self, params: Any):
+    self.param_entries = jax.tree_util.tree_leaves_with_path(params)
+    # A NumPy param has no placement yet: where it trains is not known.
+    self.placed_params = [_Placed(leaf, f"params leaf {path_name(key_path)!r}", numpy_ok=False)
+                          for key_path, leaf in self.param_entries]
+    self.index = {path_names(key_path): i for i, (key_path, _) in enumerate(self.param_entries)}
+    self.attached = [_split() for _ in self.param_entries]
+    self.has_state = [False] * len(self.param_entries)
+    self.planned = [None] * len(self.param_entries)
+    self.by_component = {c: _split() for c in COMPONENTS}
+    self.per_device: dict = {}
+
+  def add_device_shards(self, placed: _Placed) -> None:
+    for device, nbytes in placed.per_device().items():
+      self.per_device[device] = self.per_device.get(device, 0) + nbytes
+
+  def add_other(self, key_path: Any, leaf: Any) -> None:
+    placed = _Placed(leaf, f"opt_state{jax.tree_util.keystr(key_path)}", numpy_ok=True)
+    self.by_component[OTHER_STATE][placed.memory] += placed.nbytes
+    self.add_device_shards(placed)
+
+  def param_index(self, where: str, sub_path: Any, placed: _Placed, params_shaped: bool = True) -> int:
+    i = self.index.get(path_names(sub_path))
+    if i is None:
+      raise ValueError(
+          f"memory_report: {where} matches no params leaf; pass the params tree "
+          "the optimizer state was initialized with."
+      )
+    if params_shaped and placed.shape != self.placed_params[i].shape:
+      raise ValueError(
+          f"memory_report: {where} has shape {placed.shape} but its param has "
+          f"shape {self.placed_params[i].shape}; pass the params the optimizer state "
+          "was initialized with."
+      )
+    return i
+
+  def attach(self, where: str, sub_path: Any, placed: _Placed, field: str) -> None:
+    i = self.param_index(where, sub_path, placed, params_shaped=not field.endswith("_scales"))
+    self.attached[i][placed.memory] += placed.nbytes
+    self.has_state[i] = True
+    self.by_component[_component(field)][placed.memory] += placed.nbytes
+    self.add_device_shards(placed)
+
+  def add_state(self, key_path: Any, node: Any) -> None:
+    """One ``hybrid_*`` optimizer's state: its params-shaped fields, its other fields, its plan's files."""
+    # A state that carries its placement plan (one LeafPlan per leaf, in the
+    # order of its fields) names each leaf's tier, its files, and the empty
+    # entries that stand where a leaf keeps nothing.
+    plan = node.plan if isinstance(node.plan, Plan) else None
+    shaped = params_shaped_fields(node)
+    packed = plan is not None and plan.layout is not None
+    for where, sub_path, placed, field in _packed_slices(key_path, node, plan) if packed else ():
+      self.attach(where, sub_path, placed, field)
+    trees = [getattr(node, name) for name in shaped if getattr(node, name) is not None]
+    leaf_paths = [p for p, _ in jax.tree_util.tree_leaves_with_path(trees[0])] if trees else []
+    if plan is not None and len(plan.leaves) != len(leaf_paths):
+      plan = None
+    for field in node._fields:
+      entries = jax.tree_util.tree_leaves_with_path(getattr(node, field))
+      if field not in shaped or packed:
+        for sub_path, leaf in entries if field not in shaped else ():
+          self.add_other(key_path + sub_path, leaf)
+        continue
+      self.attach_field(key_path, field, entries, plan)
+    if plan is not None:
+      self.attach_plan_files(key_path, leaf_paths, plan)
+
+  def attach_field(self, key_path: Any, field: str, entries: list, plan: Plan | None) -> None:
+    """A params-shaped field's leaves, each to its param; an empty entry holds no bytes."""
+    empty = set(plan.empty_entries(field)) if plan is not None and len(entries) == len(plan.leaves) else set()
+    for j, (sub_path, leaf) in enumerate(entries):
+      if j not in empty:
+        where = f"opt_state{jax.tree_util.keystr(key_path)}.{field} leaf {path_name(sub_path)!r}"
+        self.attach(where, sub_path, _Placed(leaf, where, numpy_ok=True), field)
+
+  def attach_plan_files(self, key_path: Any, leaf_paths: list, plan: Plan) -> None:
+    """The disk tier's files of a plan, each to its param, and the tier the plan names for each param."""
+    for sub_path, leaf in zip(leaf_paths, plan.leaves):
+      for field, moment in leaf.files:
+        where = f"opt_state{jax.tree_util.keystr(key_path)}.plan's {field} file of {path_name(sub_path)!r}"
+        self.attach(where, sub_path, _Placed(moment, where, numpy_ok=False), field)
+      if leaf.tier in TIERS:
+        self.planned[self.index[path_names(sub_path)]] = leaf.tier
+
+  def add_params_and_gradients(self) -> tuple[dict, dict, list]:
+    """Each param and its gradient in its tier: returns bytes by tier, weights by tier, the leaves' rows."""
+    leaves = []
+    by_tier = {tier: _split() for tier in (*TIERS, OTHER_STATE)}
+    weights_by_tier = {tier: 0 for tier in TIERS}
+    for (key_path, _), placed, state, plan_tier in zip(self.param_entries, self.placed_params, self.attached,
+                                                        self.planned):
+      tier = _tier_of(placed, state, plan_tier)
+      # The gradient is the param's twin: same bytes, same memory, same shards.
+      for component in ("params", "gradients"):
+        self.by_component[component][placed.memory] += placed.nbytes
+        self.add_device_shards(placed)
+      by_tier[tier][placed.memory] += 2 * placed.nbytes
+      for memory in MEMORIES:
+        by_tier[tier][memory] += state[memory]
+      weights_by_tier[tier] += placed.size
+      leaves.append(LeafMemory(path_name(key_path), tier, placed.shape, placed.dtype.name,
+                               placed.memory, placed.nbytes, state))
+    by_tier[OTHER_STATE] = dict(self.by_component[OTHER_STATE])
+    return by_tier, weights_by_tier, leaves
+
+  def report(self) -> MemoryReport:
+    by_tier, weights_by_tier, leaves = self.add_params_and_gradients()
+    totals = {m: sum(split[m] for split in self.by_component.values()) for m in MEMORIES}
+    num_params = sum(p.size for p in self.placed_params)
+    per_weight = lambda n: n / num_params if num_params else 0.0
+    serving = sum(self.by_component["params"].values())
+    return MemoryReport(
+        num_params=num_params,
+        num_leaves=len(self.placed_params),
+        num_leaves_without_state=self.has_state.count(False),
+        weights_by_tier=weights_by_tier,
+        by_tier=by_tier,
+        by_component=self.by_component,
+        device_bytes=totals[DEVICE],
+        host_bytes=totals[HOST],
+        disk_bytes=totals[DISK],
+        bytes_per_weight_device=per_weight(totals[DEVICE]),
+        bytes_per_weight_host=per_weight(totals[HOST]),
+        bytes_per_weight_disk=per_weight(totals[DISK]),
+        saved_device_bytes=totals[HOST] + totals[DISK],
+        serving_bytes=serving,
+        serving_bytes_per_weight=per_weight(serving),
+        device_bytes_per_device=dict(sorted(self.per_device.items())),
+        leaves=tuple(leaves),
+    )
+
+
+def _tier_of(placed: _Placed, state: dict, plan_tier: str | None) -> str:
+  """A param's tier: where it lives, else what its plan names, else where its state lives."""
+  if placed.memory == HOST:
+    return "host"
+  if plan_tier is not None:
+    return plan_tier
+  if state[DISK]:
+    return "disk"
+  if state[HOST]:
+    return "host_state"
+  return "device"
+
+
 def memory_report(params: Any, opt_state: Any) -> MemoryReport:
   """Accounts for the memory of training: params, gradients and optimizer state, device against host.
 
@@ -315,133 +467,10 @@ def memory_report(params: Any, opt_state: Any) -> MemoryReport:
     >>> report.bytes_per_weight_device, report.bytes_per_weight_host
     (8.008, 8.0)
   """
-  param_entries = jax.tree_util.tree_leaves_with_path(params)
-  placed_params = []
-  index = {}
-  for i, (key_path, leaf) in enumerate(param_entries):
-    # A NumPy param has no placement yet: where it trains is not known.
-    placed_params.append(_Placed(leaf, f"params leaf {path_name(key_path)!r}", numpy_ok=False))
-    index[path_names(key_path)] = i
-
-  attached = [_split() for _ in param_entries]
-  has_state = [False] * len(param_entries)
-  planned = [None] * len(param_entries)
-  by_component = {c: _split() for c in COMPONENTS}
-  per_device: dict = {}
-
-  def add_device_shards(placed: _Placed) -> None:
-    for device, nbytes in placed.per_device().items():
-      per_device[device] = per_device.get(device, 0) + nbytes
-
-  def add_other(key_path, leaf) -> None:
-    placed = _Placed(leaf, f"opt_state{jax.tree_util.keystr(key_path)}", numpy_ok=True)
-    by_component[OTHER_STATE][placed.memory] += placed.nbytes
-    add_device_shards(placed)
-
-  def param_index(where: str, sub_path, placed: _Placed, params_shaped: bool = True) -> int:
-    i = index.get(path_names(sub_path))
-    if i is None:
-      raise ValueError(
-          f"memory_report: {where} matches no params leaf; pass the params tree "
-          "the optimizer state was initialized with."
-      )
-    if params_shaped and placed.shape != placed_params[i].shape:
-      raise ValueError(
-          f"memory_report: {where} has shape {placed.shape} but its param has "
-          f"shape {placed_params[i].shape}; pass the params the optimizer state "
-          "was initialized with."
-      )
-    return i
-
-  def attach(where: str, sub_path, placed: _Placed, field: str) -> None:
-    i = param_index(where, sub_path, placed, params_shaped=not field.endswith("_scales"))
-    attached[i][placed.memory] += placed.nbytes
-    has_state[i] = True
-    by_component[_component(field)][placed.memory] += placed.nbytes
-    add_device_shards(placed)
-
+  tally = _Tally(params)
   for key_path, node in jax.tree_util.tree_leaves_with_path(opt_state, is_leaf=is_state):
-    if not is_state(node):
-      add_other(key_path, node)
-      continue
-    # A state that carries its placement plan (one LeafPlan per leaf, in the
-    # order of its fields) names each leaf's tier, its files, and the empty
-    # entries that stand where a leaf keeps nothing.
-    plan = node.plan if isinstance(node.plan, Plan) else None
-    shaped = params_shaped_fields(node)
-    packed = plan is not None and plan.layout is not None
-    for where, sub_path, placed, field in _packed_slices(key_path, node, plan) if packed else ():
-      attach(where, sub_path, placed, field)
-    trees = [getattr(node, name) for name in shaped if getattr(node, name) is not None]
-    leaf_paths = [p for p, _ in jax.tree_util.tree_leaves_with_path(trees[0])] if trees else []
-    if plan is not None and len(plan.leaves) != len(leaf_paths):
-      plan = None
-    for field in node._fields:
-      entries = jax.tree_util.tree_leaves_with_path(getattr(node, field))
-      if field not in shaped or packed:
-        for sub_path, leaf in entries if field not in shaped else ():
-          add_other(key_path + sub_path, leaf)
-        continue
-      empty = set(plan.empty_entries(field)) if plan is not None and len(entries) == len(plan.leaves) else set()
-      for j, (sub_path, leaf) in enumerate(entries):
-        if j not in empty:  # an empty entry holds no bytes
-          where = f"opt_state{jax.tree_util.keystr(key_path)}.{field} leaf {path_name(sub_path)!r}"
-          attach(where, sub_path, _Placed(leaf, where, numpy_ok=True), field)
-    if plan is None:
-      continue
-    for sub_path, leaf in zip(leaf_paths, plan.leaves):
-      for field, moment in leaf.files:
-        where = f"opt_state{jax.tree_util.keystr(key_path)}.plan's {field} file of {path_name(sub_path)!r}"
-        attach(where, sub_path, _Placed(moment, where, numpy_ok=False), field)
-      if leaf.tier in TIERS:
-        planned[index[path_names(sub_path)]] = leaf.tier
-
-  leaves = []
-  by_tier = {tier: _split() for tier in (*TIERS, OTHER_STATE)}
-  weights_by_tier = {tier: 0 for tier in TIERS}
-  for (key_path, _), placed, state, plan_tier in zip(param_entries, placed_params, attached, planned):
-    if placed.memory == HOST:
-      tier = "host"
-    elif plan_tier is not None:
-      tier = plan_tier
-    elif state[DISK]:
-      tier = "disk"
-    elif state[HOST]:
-      tier = "host_state"
+    if is_state(node):
+      tally.add_state(key_path, node)
     else:
-      tier = "device"
-    # The gradient is the param's twin: same bytes, same memory, same shards.
-    for component in ("params", "gradients"):
-      by_component[component][placed.memory] += placed.nbytes
-      add_device_shards(placed)
-    by_tier[tier][placed.memory] += 2 * placed.nbytes
-    for memory in MEMORIES:
-      by_tier[tier][memory] += state[memory]
-    weights_by_tier[tier] += placed.size
-    leaves.append(LeafMemory(path_name(key_path), tier, placed.shape, placed.dtype.name,
-                             placed.memory, placed.nbytes, state))
-  by_tier[OTHER_STATE] = dict(by_component[OTHER_STATE])
-
-  totals = {m: sum(split[m] for split in by_component.values()) for m in MEMORIES}
-  num_params = sum(p.size for p in placed_params)
-  per_weight = lambda n: n / num_params if num_params else 0.0
-  serving = sum(by_component["params"].values())
-  return MemoryReport(
-      num_params=num_params,
-      num_leaves=len(placed_params),
-      num_leaves_without_state=has_state.count(False),
-      weights_by_tier=weights_by_tier,
-      by_tier=by_tier,
-      by_component=by_component,
-      device_bytes=totals[DEVICE],
-      host_bytes=totals[HOST],
-      disk_bytes=totals[DISK],
-      bytes_per_weight_device=per_weight(totals[DEVICE]),
-      bytes_per_weight_host=per_weight(totals[HOST]),
-      bytes_per_weight_disk=per_weight(totals[DISK]),
-      saved_device_bytes=totals[HOST] + totals[DISK],
-      serving_bytes=serving,
-      serving_bytes_per_weight=per_weight(serving),
-      device_bytes_per_device=dict(sorted(per_device.items())),
-      leaves=tuple(leaves),
-  )
+      tally.add_other(key_path, node)
+  return tally.report()

@@ -31,7 +31,8 @@ import numpy as np  # noqa: E402
 from jax import lax  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
-from optax_hybrid import gpu_compile, step_time  # noqa: E402
+from optax_hybrid import gpu_compile  # noqa: E402
+from optax_hybrid.gpu_compile import step_time  # noqa: E402
 
 LAYERS, N, ROWS, DOTS, CHAIN = 8, 4096, 4096, 8, 3
 TARGET = "h200"

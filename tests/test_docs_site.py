@@ -24,7 +24,7 @@ import optax_hybrid
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOCS = os.path.join(REPO, "docs")
 # Public modules that `import optax_hybrid` does not import (extra dependencies).
-SEPARATELY_IMPORTED = ("optax_hybrid.gpu_compile",)
+SEPARATELY_IMPORTED = ("optax_hybrid.gpu_compile", "optax_hybrid.gpu_compile.step_time")
 
 
 def exported_modules() -> list:

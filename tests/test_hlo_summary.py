@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import pytest
 
 from optax_hybrid import gpu_compile
-from optax_hybrid.gpu_compile import HloSummary, LoopTransfers
+from optax_hybrid.gpu_compile import HloSummary, LoopTransfers, deviceless, hlo, plugin
 
 DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "hlo")
 JAXLIB = importlib.metadata.version("jaxlib")
@@ -74,25 +74,25 @@ def test_host_memory_is_the_layouts_memory_space_5_per_array():
     ("()", []),
 ])
 def test_top_level_splits_a_tuple_at_its_own_commas(shape, parts):
-  assert gpu_compile._top_level(shape) == parts
+  assert hlo._top_level(shape) == parts
 
 
 def test_operands_are_the_names_before_the_closing_parenthesis():
   # `rest` is what follows "opcode(": control predecessors and called computations are not operands.
-  assert gpu_compile._operand_names("%a, %b.1-x), calls=%c, control-predecessors={%d}") == ["a", "b.1-x"]
-  assert gpu_compile._operand_names("), custom_call_target=\"AllocateBuffer\"") == []
-  assert gpu_compile._operand_names("%t), index=0") == ["t"]
+  assert hlo._operand_names("%a, %b.1-x), calls=%c, control-predecessors={%d}") == ["a", "b.1-x"]
+  assert hlo._operand_names("), custom_call_target=\"AllocateBuffer\"") == []
+  assert hlo._operand_names("%t), index=0") == ["t"]
   # Nested parentheses inside the operand list do not end it.
-  assert gpu_compile._operand_names("f32[2]{0} %p, (s32[]) %q), to_apply=%r") == ["p", "q"]
+  assert hlo._operand_names("f32[2]{0} %p, (s32[]) %q), to_apply=%r") == ["p", "q"]
 
 
 def test_called_computations_of_control_flow():
-  assert gpu_compile._called("%t), condition=%cond.1, body=%body.2") == ["body.2", "cond.1"]
-  assert gpu_compile._called("%k, %a, %b), branch_computations={%br_0, %br.1}") == ["br_0", "br.1"]
-  assert gpu_compile._called("%p, %q), true_computation=%yes, false_computation=%no") == ["yes", "no"]
-  assert gpu_compile._called("%x), to_apply=%fn.3") == ["fn.3"]
-  assert gpu_compile._called("%x), kind=kLoop, calls=%fused_add") == ["fused_add"]
-  assert gpu_compile._called("%x), dimensions={0}") == []
+  assert hlo._called("%t), condition=%cond.1, body=%body.2") == ["body.2", "cond.1"]
+  assert hlo._called("%k, %a, %b), branch_computations={%br_0, %br.1}") == ["br_0", "br.1"]
+  assert hlo._called("%p, %q), true_computation=%yes, false_computation=%no") == ["yes", "no"]
+  assert hlo._called("%x), to_apply=%fn.3") == ["fn.3"]
+  assert hlo._called("%x), kind=kLoop, calls=%fused_add") == ["fused_add"]
+  assert hlo._called("%x), dimensions={0}") == []
 
 
 @pytest.mark.parametrize("rest,trips", [
@@ -101,7 +101,7 @@ def test_called_computations_of_control_flow():
     ('%t), condition=%c, body=%b, backend_config={"known_init_step":{"init":"0","step":"1"}}', 1),
 ])
 def test_trip_count_is_the_known_one_else_one(rest, trips):
-  assert gpu_compile._trip_count(rest) == trips
+  assert hlo._trip_count(rest) == trips
 
 
 # --- captured modules -----------------------------------------------------------
@@ -565,7 +565,7 @@ def test_a_failed_install_names_pips_command_and_leaves_only_the_lock(monkeypatc
 def test_without_the_plugin_compile_for_gpu_names_the_install(monkeypatch, tmp_path):
   # As in an environment without JAX's CUDA plugin (CI's: the test extra keeps it out of site-packages) and
   # nothing in the cache yet: the error says where it looked and what to run, before anything is loaded.
-  monkeypatch.setattr(gpu_compile, "_PLUGIN_PACKAGE", "jax_cuda12_plugin_not_installed_here")
+  monkeypatch.setattr(plugin, "_PLUGIN_PACKAGE", "jax_cuda12_plugin_not_installed_here")
   monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
   directory = tmp_path / "optax_hybrid" / f"jax-cuda12-{JAXLIB}"
   # A target text no compile in this process has used: the topology is cached per text, and an earlier test
@@ -594,11 +594,11 @@ def test_compile_for_gpu_refuses_bad_device_counts_before_loading_a_compiler():
 
 def test_a_jitted_function_is_compiled_as_it_is_and_takes_no_jit_options():
   jitted = jax.jit(jnp.sin)
-  assert gpu_compile._jitted(jitted, (), {}) is jitted
+  assert deviceless._jitted(jitted, (), {}) is jitted
   for donate, options in (((0,), {}), (0, {}), ((), {"static_argnums": 0})):
     with pytest.raises(ValueError, match="already jitted"):
-      gpu_compile._jitted(jitted, donate, options)
-  plain = gpu_compile._jitted(lambda a, b: a * b, (0,), {"static_argnums": 1})
+      deviceless._jitted(jitted, donate, options)
+  plain = deviceless._jitted(lambda a, b: a * b, (0,), {"static_argnums": 1})
   lowered = plain.trace(jnp.ones(3), 2.0).lower()
   assert lowered.args_info[0][0].donated
   assert "multiply" in lowered.as_text()

@@ -440,14 +440,15 @@ def test_the_memory_report_counts_what_each_format_keeps(master, kept):
 
 @pytest.mark.parametrize("master", ["kahan", "stochastic"])
 def test_lowered_for_cuda_the_formats_run_inside_the_triton_launch(master):
-  from optax_hybrid.kernels import lowering_for, pallas_gpu
+  from optax_hybrid.gpu_compile import gpu_launches
+  from optax_hybrid.kernels import lowering_for
 
   params = {"w": jax.ShapeDtypeStruct((300, 40), jnp.bfloat16), "b": jax.ShapeDtypeStruct((7,), jnp.float16)}
   tx = optax_hybrid.hybrid_adamw(1e-3, weight_decay=0.1, master=master, kernel="pallas", skip_nonfinite=True)
   with lowering_for("cuda"):
     text = jax.jit(tx.step).trace(params, jax.eval_shape(tx.init, params), params).lower(
         lowering_platforms=("cuda",)).as_text()
-  assert pallas_gpu.gpu_launches(text) == 1
+  assert gpu_launches(text) == 1
   # The rounding is inside the launch: no float32 -> bf16 conversion of a whole leaf around it.
   assert not any("stablehlo.convert" in line and "tensor<300x40xf32>" in line and "bf16" in line
                  for line in text.splitlines())

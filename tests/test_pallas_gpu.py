@@ -20,7 +20,7 @@ import optax
 import pytest
 
 import optax_hybrid
-from optax_hybrid import kernels, placement
+from optax_hybrid import gpu_compile, kernels, placement
 from optax_hybrid.kernels import pallas_gpu, reference
 from stepping import adam_scalars, call_kernel, kernel_and_reference, run_with_injected_hyperparams
 
@@ -81,7 +81,7 @@ def test_leaves_the_kernel_does_not_take_use_the_reference_in_the_same_step():
   fn = lambda k: jax.jit(lambda g, m, v, p: call_kernel(k, g, m, v, p, *args, adamw_mode=True, write_params=True))
   with kernels.lowering_for("cuda"):
     lowered = fn(pallas_gpu.update_leaves).trace(g, m, v, p).lower(lowering_platforms=("cuda",)).as_text()
-  assert pallas_gpu.gpu_launches(lowered) == 1  # only the float32 leaf
+  assert gpu_compile.gpu_launches(lowered) == 1  # only the float32 leaf
   for a, b in zip(jax.tree.leaves(fn(pallas_gpu.update_leaves)(g, m, v, p)),
                   jax.tree.leaves(fn(reference.update_leaves)(g, m, v, p))):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6)
@@ -114,7 +114,7 @@ def test_cuda_lowering_has_a_few_triton_launches_whatever_the_number_of_leaves(f
   per_launch = pallas_gpu.MAX_LEAVES_PER_LAUNCH
   for n in ((1, 64, 65) if fused else (65,)):
     text = lower_for_cuda(tx, n, fused=fused)
-    assert pallas_gpu.gpu_launches(text) == -(-n // per_launch), n
+    assert gpu_compile.gpu_launches(text) == -(-n // per_launch), n
     # No per-leaf XLA arithmetic besides the launches: the update rule is
     # inside the kernel (only the step's scalars are computed outside).
     assert not re.search(r"stablehlo\.sqrt %\S+ : tensor<\d", text)
@@ -124,7 +124,7 @@ def test_cuda_lowering_has_a_few_triton_launches_whatever_the_number_of_leaves(f
 def test_cuda_lowering_aliases_params_and_moments_in_place():
   tx = optax_hybrid.hybrid_adamw(1e-3, weight_decay=0.1, kernel="pallas")
   text = lower_for_cuda(tx, 3, dtype=jnp.float32)
-  call = next(line for line in text.splitlines() if pallas_gpu._GPU_CUSTOM_CALL in line)
+  call = next(line for line in text.splitlines() if "__gpu$xla.gpu.triton" in line)
   # 3 leaves: the new param, mu and nu of each overwrite their inputs.
   assert call.count("#stablehlo.output_operand_alias<") == 9
 
@@ -138,7 +138,7 @@ def test_lowered_for_either_gpu_platform_the_kernel_is_compiled_not_interpreted(
   state = jax.eval_shape(tx.init, params)
   with kernels.lowering_for(platform):
     text = jax.jit(tx.step).trace(params, state, params).lower(lowering_platforms=(platform,)).as_text()
-  assert pallas_gpu.gpu_launches(text) == 1
+  assert gpu_compile.gpu_launches(text) == 1
 
 
 @pytest.mark.parametrize("master", [None, "float32"])
@@ -148,7 +148,7 @@ def test_cuda_launches_use_the_kernels_warps_with_and_without_a_float32_master(m
   # master path's num_warps dropped to Triton's default) survived: no test lowered a master for CUDA.
   tx = optax_hybrid.hybrid_adamw(1e-3, weight_decay=0.1, kernel="pallas", master=master)
   text = lower_for_cuda(tx, 3)
-  assert pallas_gpu.gpu_launches(text) == 1
+  assert gpu_compile.gpu_launches(text) == 1
   assert re.findall(r"num_warps = (\d+) : i32", text) == ["8"]
 
 
@@ -157,9 +157,9 @@ def test_auto_lowered_for_cuda_is_the_pallas_kernel_even_when_traced_on_a_cpu(fu
   # The kernel choice follows the lowering platform, not the process's backend.
   assert jax.default_backend() == "cpu"
   tx = optax_hybrid.hybrid_adamw(1e-3, weight_decay=0.1, kernel="auto")
-  assert pallas_gpu.gpu_launches(lower_for_cuda(tx, 3, fused=fused)) == 1
+  assert gpu_compile.gpu_launches(lower_for_cuda(tx, 3, fused=fused)) == 1
   tx = optax_hybrid.hybrid_adamw(1e-3, weight_decay=0.1, kernel="xla")
-  assert pallas_gpu.gpu_launches(lower_for_cuda(tx, 3, fused=fused)) == 0
+  assert gpu_compile.gpu_launches(lower_for_cuda(tx, 3, fused=fused)) == 0
 
 
 def test_only_the_branches_of_the_lowering_platform_are_traced():
@@ -183,7 +183,7 @@ def test_a_step_traced_for_cuda_is_not_reused_for_a_cpu_call():
   step = jax.jit(tx.step)
   with kernels.lowering_for("cuda"):
     text = step.trace(params, state, params).lower(lowering_platforms=("cuda",)).as_text()
-  assert pallas_gpu.gpu_launches(text) == 1
+  assert gpu_compile.gpu_launches(text) == 1
   new_params, _ = step(params, state, params)
   want, _ = jax.jit(optax_hybrid.hybrid_adamw(1e-3, weight_decay=0.1, kernel="xla").step)(params, state, params)
   np.testing.assert_allclose(np.asarray(new_params["w"]), np.asarray(want["w"]), rtol=1e-6)

@@ -491,7 +491,7 @@ def test_accumulation_with_host_moments_stays_in_host_compute_and_matches_multis
   assert counts == [0, 0, 1, 1, 1, 2]  # the inner update ran on micro-steps 3 and 6 only
   assert_trees_close(p_ours, p_ref)
   jaxpr = jax.make_jaxpr(lambda p, s, g: ours.update(g, s, p))(params, ours.init(params), grads[0])
-  assert placement.host_arithmetic_outside_host_compute(jaxpr) == []
+  assert optax_hybrid.host_arithmetic_outside_host_compute(jaxpr) == []
   with pytest.raises(ValueError, match="every_k"):
     accumulate_gradients(optax.sgd(1.0), 0)
 

@@ -1,4 +1,4 @@
-"""``optax_hybrid.step_time``: step times read off scheduled HLO, against answers worked out by hand.
+"""``optax_hybrid.gpu_compile.step_time``: step times read off scheduled HLO, against answers worked out by hand.
 
 In-process and compiler-free: small hand-written scheduled modules (and the
 captured H100 modules of ``tests/data/hlo``) on a machine of round figures
@@ -16,7 +16,8 @@ import os
 
 import pytest
 
-from optax_hybrid import gpu_compile, step_time
+from optax_hybrid import gpu_compile
+from optax_hybrid.gpu_compile import step_time
 
 HW = step_time.Hardware("round figures", peak_flops=1e12, hbm_bandwidth=1e11, pcie_bandwidth=1e9,
                         host_bandwidth=1e10, nvlink_bandwidth=1e10)

@@ -2,7 +2,7 @@
 
 ``tests/step_time_compile_script.py`` compiles four programs deviceless for
 the H200 target (in a subprocess: an XLA abort must not take the test worker
-down) and estimates each with ``optax_hybrid.step_time`` on the H200 SXM
+down) and estimates each with ``optax_hybrid.gpu_compile.step_time`` on the H200 SXM
 figures. Each expected time is worked out here from the program's sizes and
 the published figures (989 TFLOP/s dense bf16, PCIe 5 x16 at 55 GB/s each
 way), not from the estimator:

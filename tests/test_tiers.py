@@ -9,6 +9,7 @@ import pytest
 import optax_hybrid
 from stepping import grads_like, placed_params, run_steps as run
 from optax_hybrid import placement, tiers
+from optax_hybrid.gpu_compile import jaxpr_check
 from optax_hybrid._compat import HOST
 
 needs_host = pytest.mark.skipif("pinned_host" not in placement.available_memory_kinds(),
@@ -153,7 +154,7 @@ def transfers(jaxpr):
   def visit(jx):
     nonlocal to_host, to_device
     for eqn in jx.eqns:
-      for sub in placement._sub_jaxprs(eqn):
+      for sub in jaxpr_check.sub_jaxprs(eqn):
         visit(sub)
       if eqn.primitive.name != "device_put":
         continue
@@ -186,7 +187,7 @@ def test_host_tier_moves_only_the_gradient_and_the_new_param_for_bf16_with_a_mas
   # host_state streams master and both moments (12 B/param) each way instead.
   assert transfers(state_jaxpr) == (12 * n, 12 * n)
   # No device arithmetic on host values: the host tier computes inside host compute.
-  assert placement.host_arithmetic_outside_host_compute(host_jaxpr) == []
+  assert jaxpr_check.host_arithmetic_outside_host_compute(host_jaxpr) == []
 
 
 def _depends_on(jaxpr, sources):
@@ -325,7 +326,7 @@ def test_host_tier_uses_the_native_kernel_inside_host_compute_on_a_cpu():
   native = optax_hybrid.hybrid_adamw(1e-2, kernel="native", **kw)
   text = jax.jit(native.step).lower(params, native.init(params), grads[0]).as_text()
   assert native_cpu.TARGET in text
-  assert placement.host_arithmetic_outside_host_compute(
+  assert jaxpr_check.host_arithmetic_outside_host_compute(
       jax.make_jaxpr(native.step)(params, native.init(params), grads[0])) == []
   got, got_state = run(native, params, grads)
   want, want_state = run(optax_hybrid.hybrid_adamw(1e-2, kernel="xla", **kw), params, grads)

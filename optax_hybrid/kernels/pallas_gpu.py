@@ -74,9 +74,6 @@ _MAX_POINTERS_PER_LAUNCH = 1 + 7 * MAX_LEAVES_PER_LAUNCH
 # Offsets are int32 inside the kernel.
 _MAX_ELEMENTS = 2**31 - 1 - BLOCK_SIZE
 
-_GPU_CUSTOM_CALL = "__gpu$xla.gpu.triton"
-
-
 #: The rules the kernel runs, by :attr:`optax_hybrid.base.UpdateRule.name`. Its body is the reference's leaf
 #: step on a tile, which is right for a rule whose every value steps from that value's gradient, state and
 #: param alone (each of these); a rule that reads across values (a factored second moment: a row's and a
@@ -418,7 +415,3 @@ def update_leaves(
 
   return reference.with_reference_for_the_rest(supports, run_pallas, leaves, facts, s, step)
 
-
-def gpu_launches(hlo_text: str) -> int:
-  """The number of Pallas GPU kernel launches in lowered StableHLO text."""
-  return hlo_text.count(f"@{_GPU_CUSTOM_CALL}") + hlo_text.count(f'"{_GPU_CUSTOM_CALL}"')

@@ -43,7 +43,8 @@ GPU's measurement (``benchmarks/gpu_check.py``) is the judge.
 Example::
 
   import jax, jax.numpy as jnp
-  from optax_hybrid import gpu_compile, step_time
+  from optax_hybrid import gpu_compile
+  from optax_hybrid.gpu_compile import step_time
 
   x = jax.ShapeDtypeStruct((8192, 8192), jnp.bfloat16)
   report = gpu_compile.compile_for_gpu(lambda a, b: a @ b, x, x, target="h200")
@@ -59,8 +60,19 @@ import math
 import re
 from typing import Any
 
-from optax_hybrid import gpu_compile
-from optax_hybrid.gpu_compile import HloInstruction, array_bytes, array_dims
+from optax_hybrid.gpu_compile.hlo import (
+    BOOKKEEPING_OPS,
+    HloInstruction,
+    array_bytes,
+    array_dims,
+    collective_of,
+    collective_payload,
+    host_call_bytes,
+    in_host_memory,
+    is_host_call,
+    parse_hlo,
+    transfer_of,
+)
 
 __all__ = ["H100_SXM", "H200_SXM", "HARDWARE", "Hardware", "LoopTime", "StepTime", "estimate", "kernel_seconds"]
 
@@ -219,7 +231,7 @@ def estimate(hlo: Any, hardware: Hardware | str = H200_SXM) -> StepTime:
       raise ValueError(f"`hardware` must be a Hardware or one of {sorted(HARDWARE)}; got {hardware!r}.")
     hardware = HARDWARE[hardware]
   text = getattr(hlo, "hlo", hlo)
-  computations, entry = gpu_compile.parse_hlo(text) if isinstance(text, str) else ({}, None)
+  computations, entry = parse_hlo(text) if isinstance(text, str) else ({}, None)
   if entry is None:
     raise ValueError("`hlo` must be an optimized HLO module's text (with an ENTRY computation) or a "
                      f"GpuCompileReport; got {type(hlo).__name__} {str(text)[:60]!r}.")
@@ -240,14 +252,14 @@ def kernel_seconds(hlo: Any, hardware: Hardware | str = H200_SXM) -> dict[str, f
     kernel (transfers between memory spaces and host calls excluded).
   """
   hardware = HARDWARE[hardware] if isinstance(hardware, str) else hardware
-  computations, _ = gpu_compile.parse_hlo(getattr(hlo, "hlo", hlo))
+  computations, _ = parse_hlo(getattr(hlo, "hlo", hlo))
   costs = _Costs(computations, hardware)
   out = {}
   for instructions in computations.values():
     shapes = {i.name: i.shape for i in instructions}
     for ins in instructions:
-      if (ins.opcode in ("fusion", "custom-call", "copy") and gpu_compile.transfer_of(ins, shapes) is None
-          and not gpu_compile.is_host_call(ins)):
+      if (ins.opcode in ("fusion", "custom-call", "copy") and transfer_of(ins, shapes) is None
+          and not is_host_call(ins)):
         out[ins.name] = costs.kernel_seconds(ins, shapes)[0]
   return out
 
@@ -537,7 +549,7 @@ class _Replay:
       t.wait(pending.pop(ins.operands[0], t.clock) if ins.operands else t.clock)
     elif op == "while":
       tuples[ins.name] = self.loop(ins, tuples.get(ins.operands[0], {}))
-    elif gpu_compile.is_host_call(ins):
+    elif is_host_call(ins):
       end = self.host_call(ins, shapes)
       if op.endswith("-start"):
         pending[ins.name] = end
@@ -545,13 +557,13 @@ class _Replay:
         t.wait(end)
     elif op in ("call", "conditional"):
       self.branches(ins)
-    elif (moved := gpu_compile.transfer_of(ins, shapes)) is not None:
+    elif (moved := transfer_of(ins, shapes)) is not None:
       end = t.engine("in" if moved[0] else "out", sum(moved) / self.hardware.pcie_bandwidth, t.clock)
       if op.endswith("-start"):
         pending[ins.name] = end
       else:
         t.wait(end)
-    elif op in gpu_compile.BOOKKEEPING_OPS or op.endswith("-update") or op in ("send", "recv"):
+    elif op in BOOKKEEPING_OPS or op.endswith("-update") or op in ("send", "recv"):
       pass
     else:
       self.launch(ins, shapes, pending)
@@ -559,10 +571,10 @@ class _Replay:
   def launch(self, ins: HloInstruction, shapes: dict, pending: dict) -> None:
     """A kernel, a collective, a copy between host buffers, or an async op's work."""
     t = self.timeline
-    collective = gpu_compile.collective_of(ins, self.computations)
+    collective = collective_of(ins, self.computations)
     if collective is not None:
       opcode, rest = collective.opcode.removesuffix("-start"), collective.rest
-      nbytes = gpu_compile.collective_payload(ins, shapes)
+      nbytes = collective_payload(ins, shapes)
       end = t.engine("net", _collective_seconds(opcode, rest, nbytes, self.hardware.nvlink_bandwidth), t.clock)
     elif _host_to_host(ins, shapes):
       end = t.engine("host", self.costs.kernel_bytes(ins, shapes) / self.hardware.host_bandwidth, t.clock)
@@ -581,7 +593,7 @@ class _Replay:
   def host_call(self, ins: HloInstruction, shapes: dict) -> float:
     """A host computation: device inputs cross out, the host reads and writes, device outputs cross in."""
     t, hw = self.timeline, self.hardware
-    to_device, to_host = gpu_compile.host_call_bytes(ins)
+    to_device, to_host = host_call_bytes(ins)
     nbytes = array_bytes(ins.shape) + (0 if ins.opcode.endswith("-start") else
                                        sum(array_bytes(shapes.get(o, "")) for o in ins.operands))
     ready = t.engine("out", to_host / hw.pcie_bandwidth, t.clock) if to_host else t.clock
@@ -641,5 +653,5 @@ def _add_stats(loops: dict, delta: dict, times: int) -> None:
 def _host_to_host(ins: HloInstruction, shapes: dict) -> bool:
   """A copy whose source and destination are both in host memory (run by the host, not by a kernel)."""
   arrays = [ins.shape] + [shapes.get(o, "") for o in ins.operands]
-  spaces = {h for a in arrays for h in gpu_compile.in_host_memory(a)}
+  spaces = {h for a in arrays for h in in_host_memory(a)}
   return ins.opcode in ("copy", "dynamic-slice", "dynamic-update-slice") and spaces == {True}
