@@ -1,6 +1,6 @@
 """Hashes of the StableHLO that the package's steps lower to, for comparing two checkouts of the package.
 
-    PYTHONPATH=<checkout> JAX_PLATFORMS=cpu python benchmarks/same_program.py
+    PYTHONPATH=<checkout> JAX_PLATFORMS=cpu python benchmarks/same_program.py [--ops] [K ...]
 
 One line per combination (tier, kernel, dtype, path, moment format, lowered
 for, master, rule): the SHA-256 of the lowered program's text with its source
@@ -8,7 +8,9 @@ locations removed (they name files and lines, which a refactoring moves) and
 its line count (the module's name, the jitted function's, is left out too).
 Equal hashes from two checkouts mean the same program, so the
 same compile and step; run each checkout's own copy of this file or the same
-one. Locations are also left out of the Pallas kernels' Triton IR
+one. ``--ops`` hashes the program's lines with every value named alike, sorted:
+equal for the same operations in another order (independent operations of a
+loop body traced in another order); ``K``: only those combinations. Locations are also left out of the Pallas kernels' Triton IR
 (``JAX_TRACEBACK_IN_LOCATIONS_LIMIT=0``), so the programs lowered for CUDA
 compare too. The optimizer steps: GPT-2-small shapes x0.05 (3.1M params, 148 leaves),
 ``weight_decay=0.1``, ``skip_nonfinite=True`` (but for ``backward``); bf16
@@ -133,13 +135,20 @@ def lowered_text(tier, kernel, dtype, path, moment_format, platform, master, rul
   return re.sub(r"#loc\d*|loc\([^)]*\)", "", text)
 
 
+def operations(text: str) -> str:
+  """The program's lines with every value named alike and sorted: equal for the same operations in another order."""
+  return "\n".join(sorted(re.sub(r"%[\w#.:]+", "%", line).strip() for line in text.splitlines()))
+
+
 def main():
-  only = sys.argv[1:]
+  args = sys.argv[1:]
+  ops = "--ops" in args  # compare the operations, not their order (a loop body's independent ops reordered)
+  only = [a for a in args if a != "--ops"]
   for k, combo in enumerate(COMBINATIONS):
     if only and str(k) not in only:
       continue
     text = lowered_text(*combo)
-    digest = hashlib.sha256(text.encode()).hexdigest()[:16]
+    digest = hashlib.sha256((operations(text) if ops else text).encode()).hexdigest()[:16]
     print(f"{k:2d} {' '.join(str(x) for x in combo):68s} {digest} {len(text.splitlines()):7d} lines", flush=True)
 
 

@@ -3,7 +3,7 @@
     JAX_PLATFORMS=cpu PYTHONPATH=. python benchmarks/step_time.py [--setups A;B] [--batches 1,4,16]
         [--check-depth 16] [--cache compiles.jsonl]
     JAX_PLATFORMS=cpu PYTHONPATH=. python benchmarks/step_time.py --overlap-probe
-    JAX_PLATFORMS=cpu PYTHONPATH=. python benchmarks/step_time.py --one SETUP --layers 4 --batch 4
+    JAX_PLATFORMS=cpu PYTHONPATH=. python benchmarks/step_time.py --one SETUP --layers 4 --batch 4 [--flat-layers]
     JAX_PLATFORMS=cpu PYTHONPATH=. python benchmarks/step_time.py --quick   # a small model, every setup
 
 Needs JAX's CUDA plugin (docs/gpu_compile.md); no GPU. For each setup
@@ -112,16 +112,54 @@ def train_step(setup: Setup, model: models.Model, cfg: models.LlamaConfig, tx: A
   return gpu_memory.train_step_of(tx, model.loss)
 
 
-def compile_one(name: str, layers: int, batch: int, target: str) -> dict:
-  """One compile: params, device and host peak, and the step-time estimate."""
+def flat_layers(params: dict, layer: Callable) -> tuple[dict, Callable]:
+  """``params`` with its stacked layers as one ``(L, N)`` array (each layer's weights one after another in a row)
+  and ``layer`` reading its weights as slices of its row: the copy per layer a streamed trip makes is then one."""
+  stack = params["layers"]
+  names = sorted(stack)
+  shapes = {k: stack[k].shape[1:] for k in names}
+  sizes = {k: math.prod(shapes[k]) for k in names}
+  offsets = dict(zip(names, [sum(sizes[k] for k in names[:j]) for j in range(len(names))]))
+  first = stack[names[0]]
+  flat = jax.ShapeDtypeStruct((first.shape[0], sum(sizes.values())), first.dtype, sharding=first.sharding)
+  unpack = lambda row: {k: row[offsets[k]:offsets[k] + sizes[k]].reshape(shapes[k]) for k in names}
+  return dict(params, layers={"flat": flat}), lambda x, p, rest, batch: layer(x, unpack(p["flat"]), rest, batch)
+
+
+def write_latency_profile(hlo: str, path: str) -> None:
+  """A profile for XLA's scheduler (``--xla_gpu_pgle_profile_file_or_directory_path``) from the estimate's costs:
+  each kernel at its roofline, each copy between memories at its bytes over the PCIe bandwidth."""
+  bandwidth = step_time.H200_SXM.pcie_bandwidth
+  costs = dict(step_time.kernel_seconds(hlo))
+  for instructions in gpu_compile.parse_hlo(hlo)[0].values():
+    shapes = {i.name: i.shape for i in instructions}
+    for ins in instructions:
+      moved = gpu_compile.transfer_of(ins, shapes) if ins.opcode in ("fusion-start", "copy-start") else None
+      if moved and any(moved):
+        costs[ins.name] = sum(moved) / bandwidth
+  with open(path, "w") as f:
+    f.writelines(f'costs {{ name: "{name}" cost_us: {seconds * 1e6:.3f} }}\n' for name, seconds in costs.items())
+
+
+def compile_one(name: str, layers: int, batch: int, target: str, flat: bool = False, profile: str = "") -> dict:
+  """One compile: params, device and host peak, and the step-time estimate (``flat``: :func:`flat_layers`;
+  ``profile``: a path to write :func:`write_latency_profile` to)."""
   setup = SETUPS[name]
   cfg = models.LlamaConfig(layers=layers, batch=batch, **SIZES)
   model = models.llama(setup.dtype, stream=setup.streamed, layers=layers, batch=batch,
                        layers_memory_kind="pinned_host" if setup.streamed else "device", **SIZES)
   tx = setup.make_tx()
-  state = gpu_memory.abstract_state(tx, model.params)
-  report = gpu_compile.compile_for_gpu(train_step(setup, model, cfg, tx), model.params, state, model.batch,
-                                       target=target, donate_argnums=(0, 1))
+  params, step = model.params, train_step(setup, model, cfg, tx)
+  if flat:
+    if not setup.in_backward:
+      raise SystemExit("--flat-layers: only the step_in_backward setup")
+    embed, layer, head = models.llama_parts(cfg)
+    params, layer = flat_layers(params, layer)
+    step = models.donation_ordered(optax_hybrid.step_in_backward(tx, embed, layer, head))
+  state = gpu_memory.abstract_state(tx, params)
+  report = gpu_compile.compile_for_gpu(step, params, state, model.batch, target=target, donate_argnums=(0, 1))
+  if profile:
+    write_latency_profile(report.hlo, profile)
   estimate = report.step_time()
   return dict(setup=name, layers=layers, batch=batch, params=model.num_params, device_bytes=report.device_peak_bytes,
               host_bytes=report.host_peak_bytes, warnings=len(report.warnings), to_device=report.to_device_bytes,
@@ -323,11 +361,16 @@ def main(argv=None):
   parser.add_argument("--one-probe", help=argparse.SUPPRESS)
   parser.add_argument("--layers", type=int, default=4, help="--one: layers")
   parser.add_argument("--batch", type=int, default=1, help="--one: sequences of 2048")
+  parser.add_argument("--write-latency-profile", default="", metavar="PATH",
+                      help="--one: write a profile for XLA's scheduler from the estimate's costs (docs/streaming.md)")
+  parser.add_argument("--flat-layers", action="store_true",
+                      help="--one: the stacked layers as one (L, N) array, each weight a slice of a layer's row")
   args = parser.parse_args(argv)
   if args.quick:
     SIZES.update(width=256, heads=2, ffn=688, vocab=1000, seq=128)
   if args.one:
-    print(json.dumps(compile_one(args.one, args.layers, args.batch, args.target)))
+    print(json.dumps(compile_one(args.one, args.layers, args.batch, args.target, args.flat_layers,
+                                  args.write_latency_profile)))
     return None
   if args.one_probe:
     packed, ahead = (x == "True" for x in args.one_probe.split(","))

@@ -217,6 +217,45 @@ def _forward_loop(step: Callable, length: int, carry: Any, layers: Any, xs: Any,
   return carry, saved
 
 
+def _backward_loop(step: Callable, length: int, saved: Any, xs: Any, consts: Any, g: Any, stack_of: Callable,
+                   use_gradient: Callable, sink: Any, x_diff: list[int] | None, k_diff: list[int]) -> tuple:
+  """Goes back through the layers from the last: each layer's VJP from its saved carry, its gradient to ``use_gradient``.
+
+  Trip ``i`` fetches layer ``i - 1`` from ``stack_of(sink)`` beside layer
+  ``i``'s arithmetic (rows a sink writes in place are not read again), takes
+  the VJP of ``step(carry, layer, x, consts)``, and hands the layer's
+  gradient on: ``sink = use_gradient(sink, g_layer, layer, i)`` (written into
+  a buffer, or the layer stepped at once). ``x_diff``: the leaves of ``xs``
+  whose gradients are kept, per layer (None: ``xs`` is not differentiated);
+  ``k_diff``: the leaves of ``consts`` whose gradients are summed. Returns the
+  carry's cotangent at the first layer's input, the sink, the gradients of
+  ``xs``' leaves ``x_diff`` (stacked) and of ``consts``' leaves ``k_diff``.
+  """
+  x_leaves = jax.tree.leaves(xs)
+
+  def body(t, loop):
+    i = length - 1 - t
+    g, p, sink, g_xs, g_consts = loop
+    preceding = _slice(stack_of(sink), jnp.maximum(i - 1, 0))  # fetched beside layer i's arithmetic
+    if x_diff is None:
+      x = _slice(xs, i)
+      _, vjp = jax.vjp(lambda c, p, k: step(c, p, x, k), _slice(saved, i), p, consts)
+      g, g_p, g_k = vjp(g)
+    else:
+      _, vjp = jax.vjp(step, _slice(saved, i), p, _slice(xs, i), consts)
+      g, g_p, g_x, g_k = vjp(g)
+      g_x = jax.tree.leaves(g_x)
+      g_xs = [lax.dynamic_update_index_in_dim(buf, g_x[j], i, 0) for buf, j in zip(g_xs, x_diff)]
+    g_k = jax.tree.leaves(g_k)
+    g_consts = [acc + g_k[j] for acc, j in zip(g_consts, k_diff)]
+    return g, preceding, use_gradient(sink, g_p, p, i), g_xs, g_consts
+
+  start = (g, _slice(stack_of(sink), length - 1), sink, [jnp.zeros_like(x_leaves[j]) for j in x_diff or ()],
+           [jnp.zeros_like(jax.tree.leaves(consts)[j]) for j in k_diff])
+  g, _, sink, g_xs, g_consts = lax.fori_loop(0, length, body, start)
+  return g, sink, g_xs, g_consts
+
+
 def _streamed(step: Callable, length: int, offload: bool) -> Callable:
   """The custom-VJP scan of ``step(carry, layer, x, consts)`` over ``length`` layers."""
 
@@ -235,21 +274,9 @@ def _streamed(step: Callable, length: int, offload: bool) -> Callable:
     x_leaves, x_def = jax.tree.flatten(xs)
     k_leaves, k_def = jax.tree.flatten(consts)
     x_diff, k_diff = _inexact(x_leaves), _inexact(k_leaves)
-
-    def body(t, loop):
-      i = length - 1 - t
-      g, p, g_layers, g_xs, g_consts = loop
-      preceding = _slice(layers, jnp.maximum(i - 1, 0))  # fetched beside layer i's arithmetic
-      _, vjp = jax.vjp(step, _slice(saved, i), p, _slice(xs, i), consts)
-      g, g_p, g_x, g_k = vjp(g)
-      g_x, g_k = jax.tree.leaves(g_x), jax.tree.leaves(g_k)
-      g_xs = [lax.dynamic_update_index_in_dim(buf, g_x[j], i, 0) for buf, j in zip(g_xs, x_diff)]
-      g_consts = [acc + g_k[j] for acc, j in zip(g_consts, k_diff)]
-      return g, preceding, _put(g_layers, g_p, i), g_xs, g_consts
-
-    start = (g_carry, _slice(layers, length - 1), _buffer_like_stack(layers),
-             [jnp.zeros_like(x_leaves[j]) for j in x_diff], [jnp.zeros_like(k_leaves[j]) for j in k_diff])
-    g, _, g_layers, g_xs, g_consts = lax.fori_loop(0, length, body, start)
+    write = lambda g_layers, g_p, p, i: _put(g_layers, g_p, i)
+    g, g_layers, g_xs, g_consts = _backward_loop(step, length, saved, xs, consts, g_carry, lambda _: layers, write,
+                                                 _buffer_like_stack(layers), x_diff, k_diff)
     return (g, g_layers, None if xs is None else _cotangents(x_leaves, x_def, g_xs, x_diff),
             _cotangents(k_leaves, k_def, g_consts, k_diff))
 
@@ -368,7 +395,7 @@ def step_in_backward(tx: Any, embed_fn: Callable[[Any, Any], Any], layer_fn: Cal
     g_rest, g = head_vjp(jnp.ones_like(loss))
     stacked = {id(x) for x in jax.tree.leaves(stack)}
     parts = tx.begin_step(params, opt_state, jax.tree.map(lambda x: id(x) in stacked, params))
-    g, buffers, g_shared = _backward_stepping(parts, layer, length, stack, saved, per_layer, g)
+    g, buffers, g_shared = _backward_stepping(parts, layer, length, layers, saved, per_layer, g)
     # The rest's gradients in the order of the backward pass (as jax.grad adds them): the head's, the layers'
     # (a weight they share: summed over them), the embedding's.
     g_rest = jax.tree.leaves(g_rest)
@@ -457,35 +484,24 @@ def _check_closures(params: Any, rest: Any, batch: Any, carry: Any, embed_fn: Ca
                                        params, fix)
 
 
-def _backward_stepping(parts: Any, layer: _StepLayer, length: int, stack: Any, saved: Any, per_layer: Any,
-                       g: Any) -> tuple[Any, list, list]:
+def _backward_stepping(parts: Any, layer: _StepLayer, length: int, layers: str, saved: Any, per_layer: Any,
+                       g: Any) -> tuple[Any, Any, list]:
   """The backward loop of :func:`step_in_backward`: each layer's VJP, then its rows stepped at once.
 
   Returns the carry's cotangent at the first layer's input, the stepped
   buffers and the gradients of ``layer.shared`` (summed over the layers).
   """
-  stack_def = jax.tree.structure(stack)
-  current = lambda buffers: stack_def.unflatten([b.first for b in buffers])  # rows not yet stepped: old
-
-  def body(t, loop):
-    i = length - 1 - t
-    g, p, buffers, g_shared = loop
-    preceding = _slice(current(buffers), jnp.maximum(i - 1, 0))  # fetched beside layer i's arithmetic
-    x = _slice(per_layer, i)
-    _, vjp = jax.vjp(lambda c, p, k: layer.run(c, p, x, k), _slice(saved, i), p, layer.shared)
-    g, g_p, g_k = vjp(g)
-    # The layer's params are on the device already (its VJP read them): the step reads them, not the host.
-    buffers = parts.step_rows(buffers, [leaf[None] for leaf in jax.tree.leaves(g_p)], i,
-                              [leaf[None] for leaf in jax.tree.leaves(p)])
-    return g, preceding, buffers, [acc + d for acc, d in zip(g_shared, g_k)]
-
-  start = (g, _slice(current(parts.buffers), length - 1), parts.buffers, [jnp.zeros_like(k) for k in layer.shared])
-  g, _, buffers, g_shared = lax.fori_loop(0, length, body, start)
+  rows = lambda tree: jax.tree.map(lambda a: a[None], tree)
+  # The layer's params are on the device already (its VJP read them): the step reads them, not the host.
+  step = lambda buffers, g_p, p, i: parts.step_rows(buffers, rows(g_p), i, rows(p))
+  g, buffers, _, g_shared = _backward_loop(layer.run, length, saved, per_layer, layer.shared, g,
+                                           lambda buffers: parts.current(buffers)[layers], step, parts.buffers,
+                                           None, list(range(len(layer.shared))))
   return g, buffers, g_shared
 
 
 def _grads_like(params: Any, stacked: set, rest: Any, g_rest: list) -> Any:
-  """The gradients ``finish`` takes, a tree like ``params``: ``g_rest`` (one per leaf of ``rest``) at the other
-  leaves, and at the stacked leaves (stepped already: not read) the params themselves."""
+  """The gradients ``finish`` takes: a tree like ``params`` with ``g_rest`` (one per leaf of ``rest``) at the other
+  leaves and None at the stacked ones (stepped already)."""
   by_leaf = {id(r): g for r, g in zip(jax.tree.leaves(rest), g_rest)}
-  return jax.tree.map(lambda x: x if id(x) in stacked else by_leaf[id(x)], params)
+  return jax.tree.map(lambda x: None if id(x) in stacked else by_leaf[id(x)], params)

@@ -95,8 +95,8 @@ class HybridOptimizer(optax.GradientTransformationExtraArgs):
       >>> parts = tx.begin_step(params, state, {"layers": True, "head": False})
       >>> buffers = parts.buffers
       >>> for i in reversed(range(3)):  # as a backward pass makes them
-      ...   buffers = parts.step_rows(buffers, [grads["layers"][i:i + 1]], i)
-      >>> new_params, new_state = parts.finish(buffers, grads)
+      ...   buffers = parts.step_rows(buffers, {"layers": grads["layers"][i:i + 1]}, i)
+      >>> new_params, new_state = parts.finish(buffers, {"layers": None, "head": grads["head"]})
       >>> expected, _ = tx.step(params, state, grads)
       >>> bool(jnp.all(new_params["layers"] == expected["layers"]))
       True
@@ -125,24 +125,28 @@ class StepInParts(NamedTuple):
   """A step taken in parts (:meth:`HybridOptimizer.begin_step`).
 
   Attributes:
-    buffers: one :class:`optax_hybrid.pipeline.LeafOut` per leaf stepped by
-      rows, in the params' leaf order: its new param (rows not yet stepped
-      hold the old values: read a layer from here), state and master. A loop
-      carries them.
-    step_rows: ``(buffers, grads, start, params=None) -> buffers``:
-      ``grads`` holds one gradient per leaf stepped by rows, ``n`` rows of it
-      (``n`` the same for all); rows ``start`` to ``start + n`` are stepped
-      (``start`` may be traced). ``params``, if given, holds those rows of
-      each param as they are in ``buffers``, already on the device (the layer
-      a backward pass brought in): the step reads them instead of fetching
-      the rows again.
+    buffers: what a loop carries from one row step to the next (the marked
+      leaves' new params and their state, where they live); opaque: read the
+      params with ``current``.
+    current: ``(buffers) -> tree``: the marked params as they are now (rows
+      not yet stepped hold the old values: read a layer from here), in a
+      tree like the params with None at the leaves not marked.
+    step_rows: ``(buffers, grads, start, params=None) -> buffers``: steps
+      rows ``start`` to ``start + n`` of every marked leaf (``start`` may be
+      traced). ``grads`` is a pytree whose leaves are ``n`` rows of each
+      marked leaf's gradient in the params' leaf order: one layer's gradient
+      tree with a leading axis of ``n``, or a tree like the params with None
+      at the other leaves. ``params``, if given, holds those rows of the
+      params as they are in ``buffers`` (a tree like ``grads``), already on
+      the device (the layer a backward pass brought in): the step reads them
+      instead of fetching the rows again.
     finish: ``(buffers, grads) -> (new_params, new_state)``: steps the other
-      leaves with ``grads`` (a tree like the params; at the leaves stepped by
-      rows anything of their shape, such as a ``jax.ShapeDtypeStruct``: not
-      read) and advances the count.
+      leaves with ``grads``, a tree like the params whose marked leaves are
+      None (or anything: not read), and advances the count.
   """
 
-  buffers: list
+  buffers: tuple
+  current: Callable
   step_rows: Callable
   finish: Callable
 
@@ -452,14 +456,24 @@ class _Engine:
     stepped, s = self._scalars(state, plan, None)
     steppers = [pipeline.row_stepper(plan.leaves[i], leaves[i], plan, stepped, s, write_params=True) for i in rows]
 
+    def current(buffers):
+      now = [None] * len(leaves)
+      for i, b in zip(rows, buffers):
+        now[i] = b.first
+      return treedef.unflatten(now)
+
     def step_rows(buffers, grads, start, params=None):
-      params = [None] * len(buffers) if params is None else params
-      return [step_of_rows(b, g, start, p) for (_, step_of_rows), b, g, p in zip(steppers, buffers, grads, params)]
+      grads = _rows_of(grads, "grads", rows, leaves, plan)
+      params = [None] * len(rows) if params is None else _rows_of(params, "params", rows, leaves, plan)
+      return tuple(step(b, g, start, p) for (_, step), b, g, p in zip(steppers, buffers, grads, params))
 
     def finish(buffers, grads):
-      grad_leaves = treedef.flatten_up_to(grads)
+      grad_leaves, grads_def = jax.tree.flatten(grads, is_leaf=lambda x: x is None)
+      if grads_def != treedef:
+        raise ValueError(f"{self.rule.owner}: StepInParts.finish: `grads` must be a tree like the params (None at "
+                         f"the leaves stepped by rows); got {grads_def} for params {treedef}.")
       for i in rows:  # not read: typed like the param so that gather's checks hold
-        grad_leaves[i] = jax.ShapeDtypeStruct(np.shape(grad_leaves[i]), leaves[i].grad.dtype)
+        grad_leaves[i] = jax.ShapeDtypeStruct(np.shape(leaves[i].param), leaves[i].grad.dtype)
       _, now = self._gather(treedef.unflatten(grad_leaves), state, params, plan, True)
       others = [i for i in range(len(leaves)) if i not in rows]
       sub_plan = dataclasses.replace(plan, leaves=tuple(plan.leaves[i] for i in others))
@@ -468,7 +482,7 @@ class _Engine:
       outs = [outs[i] for i in range(len(leaves))]
       return treedef.unflatten([out.first for out in outs]), _next_state(state, outs, treedef, None, written)
 
-    return StepInParts([b for b, _ in steppers], step_rows, finish)
+    return StepInParts(tuple(b for b, _ in steppers), current, step_rows, finish)
 
 
 def _engine(rule: UpdateRule, learning_rate: Any, o: Options) -> HybridOptimizer:
@@ -504,6 +518,22 @@ def _rows_stepped(by_rows: Any, params: Any, plan: Plan) -> list[int]:
                        "layers' other axes (FSDP: PartitionSpec(None, 'fsdp', ...)) and pass placed params "
                        "to init.")
   return rows
+
+
+def _rows_of(tree: Any, name: str, rows: list[int], leaves: list, plan: Plan) -> list:
+  """The leaves of ``tree`` as some rows of each leaf ``rows`` marks, in that order; checked against the params."""
+  values = jax.tree.leaves(tree)
+  params = [leaves[i].param for i in rows]
+  counts = {np.shape(v)[0] if np.ndim(v) else None for v in values}
+  if len(values) != len(rows) or len(counts) != 1 or any(
+      np.shape(v)[1:] != np.shape(p)[1:] for v, p in zip(values, params)):
+    expected = ", ".join(f"{plan.leaves[i].path} (n, {', '.join(map(str, np.shape(p)[1:]))})"
+                         for i, p in zip(rows, params))
+    got = ", ".join(str(np.shape(v)) for v in values)
+    raise ValueError(f"{plan.owner}: StepInParts.step_rows: `{name}` must hold n rows of each leaf stepped by "
+                     f"rows, in the params' leaf order: {expected}; got {len(values)} leaves shaped {got}. Pass "
+                     "one layer's tree with a leading axis of n (g[None] for one layer).")
+  return values
 
 
 def _next_state(state: Any, outs: list, treedef: Any, step_ok: Any, written: Any) -> Any:

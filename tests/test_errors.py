@@ -340,6 +340,10 @@ TRIGGERS.update({
     "begin-step-by-rows": lambda: hybrid().begin_step(STACKED, hybrid().init(STACKED), {"layers": True}),
     "begin-step-scalar": lambda: hybrid().begin_step({"s": jnp.ones(())}, hybrid().init({"s": jnp.ones(())}),
                                                      {"s": True}),
+    "step-rows-grads": lambda: (lambda parts: parts.step_rows(parts.buffers, {"w": STACKED["layers"]["w"][0]}, 0))(
+        hybrid().begin_step(STACKED, hybrid().init(STACKED), {"embed": False, "layers": True})),
+    "finish-grads": lambda: (lambda parts: parts.finish(parts.buffers, {"layers": None}))(
+        hybrid().begin_step(STACKED, hybrid().init(STACKED), {"embed": False, "layers": True})),
 })
 
 ROWS = table_rows()
