@@ -22,8 +22,8 @@ from jax import lax
 
 from optax_hybrid import _compat, disk, masters, packing, placement
 from optax_hybrid._compat import DEVICE, HOST
-from optax_hybrid.kernels import LeafFacts, LeafOperands, kernels_for, quantized, reference, step_of
-from optax_hybrid.kernels.contract import per_platform
+from optax_hybrid.kernels import LeafFacts, LeafOperands, kernels_for, quantized, reference
+from optax_hybrid.kernels.contract import Step, per_platform
 from optax_hybrid.plan import STREAM_WAITS, LeafPlan, Plan, check_inexact_leaves
 
 
@@ -340,7 +340,9 @@ def _run_group(plans: Sequence[LeafPlan], leaves: Sequence[LeafIn], plan: Plan, 
       to = lambda x: jax.tree.map(lambda a: jax.device_put(a, DEVICE), x)
       operands.append(LeafOperands(_compat.move(leaf.grad, DEVICE), leaf.state if lp.on_disk else to(leaf.state),
                                    None if param is None else _compat.move(param, DEVICE), to(leaf.master)))
-  facts, step = _facts(plans, leaves, write_params), step_of(rule, write_params=write_params, master=master)
+  # The kernels' Step (contract.step_of's) from what the plan read of the rule once; a master format writes params.
+  facts = _facts(plans, leaves, write_params)
+  step = Step(rule, write_params or master.active, plan.fields, plan.decay_mode, master)
   kernels = kernels_for(plan.kernel, fused=write_params, runs_on=where, split=plan.split, rule=rule,
                         packed=plan.layout is not None)
   if where == "host":
@@ -406,7 +408,8 @@ def row_stepper(lp: LeafPlan, leaf: LeafIn, plan: Plan, rule: Any, s: Any, *,
   but its first (each device steps its shard of the rows).
   """
   master = lp.master
-  facts, step = _facts([lp], [leaf], write_params), step_of(rule, write_params=write_params, master=master)
+  facts = _facts([lp], [leaf], write_params)
+  step = Step(rule, write_params or master.active, plan.fields, plan.decay_mode, master)
   kernels = kernels_for(plan.kernel, fused=write_params, split=plan.split, rule=rule)
   shape = leaf.grad.shape
   row_size = int(np.prod(shape[1:])) % 2**32

@@ -180,6 +180,9 @@ class Plan:
     mesh: the mesh for ``"shard_map"``, else None.
     fields: the rule's fields (:class:`optax_hybrid.base.Field`): the arrays
       each leaf keeps (``mu`` and ``nu`` for Adam), in the state's order.
+    decay_mode: the rule's decay mode (:data:`optax_hybrid.base.DECOUPLED`,
+      ``L2`` or None), read once for every step's
+      :class:`~optax_hybrid.kernels.Step`.
     owner: the optimizer's public function, for messages (``"hybrid_adamw"``;
       ``make_plan`` records the rule's: the default names only the package).
     static_zeros: the rule's hyperparameters that were a concrete zero at
@@ -214,6 +217,7 @@ class Plan:
   static_zeros: frozenset = frozenset()
   layout: Any = None
   master: Any = masters.NO_MASTER
+  decay_mode: str | None = None
 
   field_names: tuple = dataclasses.field(init=False, repr=False)
   empty: dict = dataclasses.field(init=False, repr=False)
@@ -223,8 +227,8 @@ class Plan:
   def __post_init__(self):
     # A jitted step hashes its arguments' tree structure on every call, and
     # the plan is part of it: hash once.
-    object.__setattr__(self, "_key", (self.leaves, self.kernel, self.split, self.mesh, self.fields, self.owner,
-                                      self.layout, self.master))
+    object.__setattr__(self, "_key", (self.leaves, self.kernel, self.split, self.mesh, self.fields,
+                                      self.decay_mode, self.owner, self.layout, self.master))
     object.__setattr__(self, "_hash", hash(self._key))
     # What every step reads, derived once.
     names = tuple(f.name for f in self.fields)
@@ -320,7 +324,7 @@ def make_plan(params: Any, rule: Any, options: Options) -> Plan:
   leaves = assign_slices(assign_stages(leaves, shapes, STREAM_STAGE_BYTES), shapes, STREAM_STAGE_BYTES)
   split, mesh = _split([leaf.state_sharding for leaf in leaves if leaf.runs_on == "device"])
   return Plan(tuple(leaves), fields=tuple(rule.fields), owner=owner, static_zeros=static_zeros,
-              kernel=options.execution.kernel, split=split, mesh=mesh, master=master)
+              kernel=options.execution.kernel, split=split, mesh=mesh, master=master, decay_mode=rule.decay)
 
 
 def state_bytes(leaf: LeafPlan, shape: Sequence[int]) -> int:
