@@ -339,10 +339,10 @@ class _StateRestore:
     self.params_shaped = getattr(like, plan.field_names[0] if plan.fields else "master")
     self.paths = [path for path, _ in jax.tree_util.tree_leaves_with_path(self.params_shaped)]
     prefix = _names(key_path)
-    kept = set() if like.master is None else set(range(len(plan.leaves))) - set(plan.empty_entries("master"))
+    kept = set(range(len(plan.leaves))) - set(plan.empty_entries("master"))
     self.build_master, self.convert = [], {}
     if not saved.known:
-      self.saved_master_tree = like.master is not None
+      self.saved_master_tree = plan.master.keeps  # like has a master tree
       return
     # A state saved without masters has no master tree at all; Orbax
     # needs the target's tree to be the saved one, with None where it reads nothing.
@@ -377,7 +377,7 @@ class _StateRestore:
         state = _replace_entries(state, field, {i: np.zeros(m.shape, np.dtype(m.dtype)) for i, m in files.items()})
     if not self.saved_master_tree:
       state = state._replace(master=None)
-    elif state.master is None:  # masters saved, none kept: a tree that reads nothing
+    elif not self.plan.master.keeps:  # masters saved, none kept: a tree that reads nothing
       state = state._replace(master=jax.tree.map(lambda _: None, self.params_shaped))
     else:  # none saved for some: they read nothing; others are read in the dtype they were saved in
       entries = jax.tree.leaves(state.master)

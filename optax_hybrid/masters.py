@@ -22,6 +22,13 @@ through :func:`optax_hybrid.kernels.reference.master_update`:
 
 (``master_dtype=jnp.float32``, the older spelling, is ``master="float32"``;
 any floating ``master_dtype`` wider than the param is a :class:`DtypeMaster`.)
+No master weights (``master=None``, or a param a format does not apply to,
+such as a float32 one) is a format too, :data:`NO_MASTER`: it keeps nothing,
+gives the kernel no operand and is not ``active``. The engine asks a leaf's
+format what it needs (its operand and seed, whether it keeps something and how
+that is split over a mesh, whether the step writes the param through it)
+instead of testing for its absence, so a new format is a value here and its
+tests.
 
 The Kahan term (Kahan 1965; optimi's Kahan summation for bf16 training) holds
 what rounding to the param's dtype dropped, so the param plus its term carries
@@ -88,7 +95,15 @@ class MasterFormat:
   * ``steps_as_param``: what it keeps is the whole value (a copy in a wider
     dtype), so a kernel without master formats may step it as the param and
     the new param be rounded beside it
-    (:func:`optax_hybrid.kernels.reference.with_master_as_param`).
+    (:func:`optax_hybrid.kernels.reference.with_master_as_param`);
+  * ``active``: a step goes through it (True for every format; False only
+    for :data:`NO_MASTER`, the absence of one).
+
+  What the engine asks of a leaf's format, it asks the format: its kernel
+  operand (:meth:`operand`: what it keeps, a seed, or nothing), whether the
+  step writes the param through it, which dtype the state keeps
+  (:meth:`stored_dtype`), how the operand is split over a mesh
+  (:meth:`operand_spec`).
   """
 
   name: str = ""
@@ -96,6 +111,7 @@ class MasterFormat:
   random: bool = False
   keeps: bool = True
   steps_as_param: bool = False
+  active: bool = True
 
   def applies_to(self, param_dtype: Any) -> bool:
     """Whether a param of ``param_dtype`` keeps this master: real floats narrower than float32."""
@@ -123,6 +139,11 @@ class MasterFormat:
     """What a kernel gets for this leaf's master: what is kept, or (random formats) the step's seed."""
     del count, salt
     return stored
+
+  def operand_spec(self, state_spec: Any) -> Any:
+    """The ``PartitionSpec`` of the kernel operand under ``shard_map``: what is kept is split like the state;
+    a seed is replicated."""
+    return state_spec if self.keeps else jax.sharding.PartitionSpec()
 
   def value(self, param: Any, operand: Any) -> jax.Array:
     """The float32 value the step starts from."""
@@ -201,11 +222,9 @@ class KahanMaster(MasterFormat):
 
 
 @dataclasses.dataclass(frozen=True)
-class StochasticMaster(MasterFormat):
-  """No memory: the new value rounded up or down at random, unbiased (:func:`stochastic_round`)."""
+class _KeepsNothing(MasterFormat):
+  """A format with nothing in the state: the step's value is the param's."""
 
-  name: str = STOCHASTIC
-  random: bool = True
   keeps: bool = False
 
   def stored_dtype(self, param_dtype: Any) -> None:
@@ -218,24 +237,64 @@ class StochasticMaster(MasterFormat):
   def from_value(self, value: Any, param: Any) -> Any:
     return None
 
-  def operand(self, stored: Any, count: jax.Array, salt: int) -> jax.Array:
-    del stored
-    return step_seed(count, salt)
-
   def value(self, param, operand):
     del operand
     return param.astype(jnp.float32)
+
+
+@dataclasses.dataclass(frozen=True)
+class StochasticMaster(_KeepsNothing):
+  """No memory: the new value rounded up or down at random, unbiased (:func:`stochastic_round`)."""
+
+  name: str = STOCHASTIC
+  random: bool = True
+
+  def operand(self, stored: Any, count: jax.Array, salt: int) -> jax.Array:
+    del stored
+    return step_seed(count, salt)
 
   def write(self, value, param_dtype, operand, positions):
     return stochastic_round(value, param_dtype, random_bits(operand[0], positions)), None
 
 
+@dataclasses.dataclass(frozen=True)
+class NoMaster(_KeepsNothing):
+  """No master format (``master=None``; a param no format applies to, such as a float32 one): :data:`NO_MASTER`.
+
+  Nothing is kept and the kernel gets no operand; the step reads the param
+  only where decay or the fused apply needs it, and computes the update (or
+  the new param ``p + u``, rounded once) itself.
+  """
+
+  name: str = "none"
+  active: bool = False
+
+  def applies_to(self, param_dtype: Any) -> bool:
+    del param_dtype
+    return False
+
+  def operand(self, stored: Any, count: jax.Array, salt: int) -> None:
+    del stored, count, salt
+    return None
+
+  def operand_spec(self, state_spec: Any) -> None:
+    del state_spec
+    return None
+
+  def write(self, value, param_dtype, operand, positions):
+    del operand, positions
+    return value.astype(param_dtype), None
+
+
+#: The absence of a master format: the plan's, a step's and ``resolve``'s value for "no master weights".
+NO_MASTER = NoMaster()
+
 #: The formats by ``master=`` name.
 FORMATS = {FLOAT32: DtypeMaster(name=FLOAT32), KAHAN: KahanMaster(), STOCHASTIC: StochasticMaster()}
 
 
-def resolve(master: Any, master_dtype: Any, owner: str) -> MasterFormat | None:
-  """The format for ``master=`` and the older ``master_dtype=`` (at most one of them), or None.
+def resolve(master: Any, master_dtype: Any, owner: str) -> MasterFormat:
+  """The format for ``master=`` and the older ``master_dtype=`` (at most one of them), or :data:`NO_MASTER`.
 
   Raises:
     ValueError: both given, an unknown ``master`` name, or a ``master_dtype``
@@ -250,7 +309,7 @@ def resolve(master: Any, master_dtype: Any, owner: str) -> MasterFormat | None:
                        f"{', '.join(repr(n) for n in MASTER_NAMES)} (or None: no master weights).")
     return FORMATS[master]
   if master_dtype is None:
-    return None
+    return NO_MASTER
   dtype = np.dtype(jnp.dtype(master_dtype))
   if not jnp.issubdtype(dtype, jnp.floating):
     raise ValueError(f"{owner}: `master_dtype` must be a real floating dtype such as jnp.float32, got {dtype}.")
@@ -398,5 +457,6 @@ def stochastic_round(x: jax.Array, dtype: Any, bits: jax.Array) -> jax.Array:
 
 
 __all__ = ["DtypeMaster", "FLOAT32", "FORMATS", "KAHAN", "KahanMaster", "MASTER_NAMES", "MasterFormat", "kept_format",
+           "NO_MASTER", "NoMaster",
            "STOCHASTIC", "StochasticMaster", "positions", "random_bits", "resolve", "salt_of", "shard_origin", "step_seed",
            "stochastic_round"]

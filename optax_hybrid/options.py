@@ -128,8 +128,9 @@ class Storage:
   state_layout: str = "leaves"
 
   @property
-  def master_format(self) -> Optional[masters.MasterFormat]:
-    """The :class:`~optax_hybrid.masters.MasterFormat` asked for by ``master`` or ``master_dtype``, or None."""
+  def master_format(self) -> masters.MasterFormat:
+    """The :class:`~optax_hybrid.masters.MasterFormat` asked for by ``master`` or ``master_dtype``
+    (:data:`~optax_hybrid.masters.NO_MASTER` for neither)."""
     return masters.resolve(self.master, self.master_dtype, "Storage")
 
   @property

@@ -105,7 +105,7 @@ def _pool_key(dtype: np.dtype, lp: Any) -> str:
   pool that the kernel updates in place (XLA would copy it for their reads).
   """
   key = dtype.name
-  if lp.master is not None:
+  if lp.master.active:
     key += f" with {lp.master.name} master"
   if jnp.issubdtype(lp.param_dtype, jnp.complexfloating) and not jnp.issubdtype(dtype, jnp.complexfloating):
     key += f" of {np.dtype(lp.param_dtype).name} params"

@@ -22,8 +22,8 @@ from jax import lax
 
 from optax_hybrid import _compat, disk, masters, packing, placement
 from optax_hybrid._compat import DEVICE, HOST
-from optax_hybrid.kernels import LeafFacts, LeafOperands, kernels_for, quantized, reference, step_of
-from optax_hybrid.kernels.contract import per_platform
+from optax_hybrid.kernels import LeafFacts, LeafOperands, kernels_for, quantized, reference
+from optax_hybrid.kernels.contract import Step, per_platform
 from optax_hybrid.plan import STREAM_WAITS, LeafPlan, Plan, check_inexact_leaves
 
 
@@ -83,11 +83,10 @@ def gather(grads: Any, state: Any, params: Any, plan: Plan, *, write_params: boo
         f"have {len(grad_leaves)}; pass gradients for the params the state was initialized with.")
   param_leaves = _param_leaves(params, treedef, plan, write_params)
   if plan.layout is None:
-    master_leaves = _master_leaves(state.master, params, treedef, plan)
+    master_leaves = _master_leaves(state.master, treedef, plan)
     leaf_values = lambda i, lp: _leaf_values(lp, i, plan.field_names, entries, owner)
   else:  # packed: slices of the state's flat buffers, in device memory (optax_hybrid.packing)
     packed_values, master_leaves = packing.leaf_state(state, plan)
-    _master_leaves(None, params, treedef, plan)  # its check that params come with masters
     leaf_values = lambda i, lp: packed_values[i]
   out = []
   for i, (lp, g, p, w) in enumerate(zip(plan.leaves, grad_leaves, param_leaves, master_leaves)):
@@ -97,7 +96,7 @@ def gather(grads: Any, state: Any, params: Any, plan: Plan, *, write_params: boo
     values = leaf_values(i, lp)
     _check_gradient(lp, plan, g, values, p, owner)
     master = None
-    if lp.master is not None:  # what the format keeps (typed with its space), or a random format's seed
+    if lp.master.active:  # what the format keeps (typed with its space), or a random format's seed
       kept = None if lp.master_dtype is None else w if plan.layout is not None else _compat.move(w, lp.state_space)
       master = lp.master.operand(kept, state.count, masters.salt_of(lp.path))
     out.append(LeafIn(g, values, None if p is None else _compat.move(p, lp.param_space), master))
@@ -146,16 +145,16 @@ def _param_leaves(params: Any, treedef: Any, plan: Plan, write_params: bool) -> 
   if any(leaf.decay for leaf in plan.leaves):
     raise ValueError(f"{owner}: weight_decay is non-zero, so `params` is required: call "
                      "tx.update(grads, state, params).")
+  if any(leaf.master.active for leaf in plan.leaves):
+    raise ValueError(f"{owner}: with master weights, `params` is required: call tx.update(grads, state, "
+                     "params) (the update is new_param - param).")
   return [None] * treedef.num_leaves
 
 
-def _master_leaves(master: Any, params: Any, treedef: Any, plan: Plan) -> list:
-  """The state's master entries (Nones without masters), or a ValueError when they do not fit."""
+def _master_leaves(master: Any, treedef: Any, plan: Plan) -> list:
+  """The state's master entries (Nones where the state has no master tree), or a ValueError when they do not fit."""
   owner = plan.owner
-  if params is None and any(lp.master is not None for lp in plan.leaves):
-    raise ValueError(f"{owner}: with master weights, `params` is required: call tx.update(grads, state, "
-                     "params) (the update is new_param - param).")
-  if master is None:
+  if not plan.master.keeps:
     return [None] * treedef.num_leaves
   try:
     return treedef.flatten_up_to(master)
@@ -332,7 +331,7 @@ def _run_group(plans: Sequence[LeafPlan], leaves: Sequence[LeafIn], plan: Plan, 
     if where == "host":  # the param's sharding: its gradient and (if on the device) the param cross with it
       to = lambda x: jax.tree.map(lambda a: placement.to_host(a, lp.gather_to or lp.state_sharding,
                                                               one_device=lp.on_one_device), x)
-      seed = master is not None and master.random  # a random format's operand is its seed: a replicated scalar
+      seed = master.random  # a random format's operand is its seed: a replicated scalar
       operands.append(LeafOperands(to(leaf.grad), to(leaf.state), to(param),
                                    _compat.move(leaf.master, HOST) if seed else to(leaf.master)))
     elif lp.state_space == DEVICE:  # the state and (a device run's) param are on the device
@@ -341,7 +340,9 @@ def _run_group(plans: Sequence[LeafPlan], leaves: Sequence[LeafIn], plan: Plan, 
       to = lambda x: jax.tree.map(lambda a: jax.device_put(a, DEVICE), x)
       operands.append(LeafOperands(_compat.move(leaf.grad, DEVICE), leaf.state if lp.on_disk else to(leaf.state),
                                    None if param is None else _compat.move(param, DEVICE), to(leaf.master)))
-  facts, step = _facts(plans, leaves, write_params), step_of(rule, write_params=write_params, master=master)
+  # The kernels' Step (contract.step_of's) from what the plan read of the rule once; a master format writes params.
+  facts = _facts(plans, leaves, write_params)
+  step = Step(rule, write_params or master.active, plan.fields, plan.decay_mode, master)
   kernels = kernels_for(plan.kernel, fused=write_params, runs_on=where, split=plan.split, rule=rule,
                         packed=plan.layout is not None)
   if where == "host":
@@ -407,13 +408,14 @@ def row_stepper(lp: LeafPlan, leaf: LeafIn, plan: Plan, rule: Any, s: Any, *,
   but its first (each device steps its shard of the rows).
   """
   master = lp.master
-  facts, step = _facts([lp], [leaf], write_params), step_of(rule, write_params=write_params, master=master)
+  facts = _facts([lp], [leaf], write_params)
+  step = Step(rule, write_params or master.active, plan.fields, plan.decay_mode, master)
   kernels = kernels_for(plan.kernel, fused=write_params, split=plan.split, rule=rule)
   shape = leaf.grad.shape
   row_size = int(np.prod(shape[1:])) % 2**32
   param = _param_read(lp, leaf, master, write_params)
   in_place = write_params and leaf.param is not None  # the new param overwrites the param, row by row
-  kept = master is not None and master.keeps
+  kept = master.keeps
   # The first result's buffer lives where the param does (host memory for layers streamed by scan_layers).
   first = (leaf.param.astype(facts[0].out_dtype) if in_place else
            _compat.move(lax.empty(shape, facts[0].out_dtype), lp.param_space))
@@ -431,7 +433,7 @@ def row_stepper(lp: LeafPlan, leaf: LeafIn, plan: Plan, rule: Any, s: Any, *,
     else:
       fetch_read = None if read is None else fetch(read)
     seed = masters.seed_at(leaf.master, jnp.asarray(start).astype(jnp.uint32) * jnp.uint32(row_size)) if (
-        master is not None and master.random) else None
+        master.random) else None
     ops = LeafOperands(row_major(_compat.move(grad_rows, DEVICE)), fetch(state), fetch_read,
                        fetch(kept_master) if kept else seed)
     branches, operands = _device_branches(kernels, [lp], facts, step, plan, s, [ops])
@@ -449,7 +451,7 @@ def _param_read(lp: LeafPlan, leaf: LeafIn, master: Any, write_params: bool) -> 
 
   It is not read without decay or a fused apply, nor where a master copy stands in for it.
   """
-  if master is not None:
+  if master.active:
     return leaf.param if master.reads_param else None
   return leaf.param if (lp.decay or write_params) else None
 
@@ -457,7 +459,7 @@ def _param_read(lp: LeafPlan, leaf: LeafIn, master: Any, write_params: bool) -> 
 def _facts(plans: Sequence[LeafPlan], leaves: Sequence[LeafIn], write_params: bool) -> list[LeafFacts]:
   """What the kernel knows statically of each leaf: its decay, the first result's dtype, its whole leading axes."""
   master = plans[0].master
-  return [LeafFacts(lp.decay, jnp.asarray(leaf.param).dtype if (write_params or master is not None) else
+  return [LeafFacts(lp.decay, jnp.asarray(leaf.param).dtype if (write_params or master.active) else
                     jnp.result_type(leaf.grad.dtype, *lp.dtypes), lp.row_axes) for lp, leaf in zip(plans, leaves)]
 
 
@@ -470,9 +472,8 @@ def _compute(kernel: Any, operands: Sequence[LeafOperands], s: Any, *, facts: Se
 def _constrained(op: LeafOperands, lp: LeafPlan) -> LeafOperands:
   """A leaf's operands constrained to its state's sharding (a random master format's seed stays replicated)."""
   constrain = lambda x: jax.tree.map(lambda a: placement.constrain(a, lp.state_sharding), x)
-  kept = lp.master is None or lp.master.keeps
   return LeafOperands(constrain(op.grad), constrain(op.state), constrain(op.param),
-                      constrain(op.master) if kept else op.master)
+                      op.master if lp.master.random else constrain(op.master))
 
 
 def _per_shard(kernel: Any, plans: Sequence[LeafPlan], facts: Sequence[LeafFacts], step: Any, mesh: Any, s: Any,
@@ -493,13 +494,13 @@ def _per_shard(kernel: Any, plans: Sequence[LeafPlan], facts: Sequence[LeafFacts
 
   def compute(ops, s):
     ops = [op._replace(master=masters.seed_at(op.master, masters.shard_origin(spec, mesh, *fact.shard)))
-           if lp.master is not None and lp.master.random and fact.shard is not None else op
+           if lp.master.random and fact.shard is not None else op
            for lp, op, spec, fact in zip(plans, ops, specs, local_facts)]
     return _compute(kernel, ops, s, facts=local_facts, step=step)
 
   # A master that keeps values is split like the state; a random format's seed is replicated.
-  master_spec = lambda lp, sp: None if lp.master is None else sp if lp.master.keeps else jax.sharding.PartitionSpec()
-  in_specs = ([LeafOperands(sp, tuple(sp for _ in op.state), None if op.param is None else sp, master_spec(lp, sp))
+  in_specs = ([LeafOperands(sp, tuple(sp for _ in op.state), None if op.param is None else sp,
+                            lp.master.operand_spec(sp))
                for lp, op, sp in zip(plans, operands, specs)],
               type(s)(*(None if x is None else jax.sharding.PartitionSpec() for x in s)))
   out_specs = [(sp, tuple(sp for _ in op.state), sp if lp.master_dtype is not None else None)
@@ -515,7 +516,7 @@ def _master_updates(outs: list[LeafOut], leaves: Sequence[LeafIn], plan: Plan) -
   Computed where the param lives (host-resident params in one host-compute
   region): added back in that dtype it gives the new param exactly.
   """
-  mastered = [i for i, lp in enumerate(plan.leaves) if lp.master is not None]
+  mastered = [i for i, lp in enumerate(plan.leaves) if lp.master.active]
   if not mastered:
     return outs
   diffs = placement.map_where_they_live(
@@ -541,7 +542,7 @@ def _written_over_params(outs: list[LeafOut], leaves: Sequence[LeafIn], plan: Pl
   own result.
   """
   unread = [i for i, lp in enumerate(plan.leaves)
-            if lp.master is not None and not lp.master.reads_param and leaves[i].param is not None]
+            if not lp.master.reads_param and leaves[i].param is not None]
   if not unread:
     return outs
   outs = list(outs)

@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from optax_hybrid import _compat, placement, tiers as tiers_lib
+from optax_hybrid import _compat, masters, placement, tiers as tiers_lib
 from optax_hybrid.kernels import quantized
 from optax_hybrid.options import Options
 
@@ -76,8 +76,9 @@ class LeafPlan:
       for 8-bit storage, the dtype of their values (float32).
     quantized: the fields are stored 8-bit block-wise (codes and per-block
       scales: :mod:`optax_hybrid.kernels.quantized`).
-    master: the leaf's master format (:class:`optax_hybrid.masters.MasterFormat`),
-      or None when it has none (no ``master=``, or a param it does not apply to).
+    master: the leaf's master format (:class:`optax_hybrid.masters.MasterFormat`):
+      :data:`~optax_hybrid.masters.NO_MASTER` when it has none (no ``master=``,
+      or a param the format does not apply to).
     master_dtype: the dtype of what the master format keeps in the state's
       ``master`` entry (a float32 copy, a Kahan term in the param's dtype), or
       None when it keeps nothing there (no master, or ``"stochastic"``).
@@ -122,7 +123,7 @@ class LeafPlan:
   state_kind: str
   dtypes: tuple = ()
   master_dtype: Any = None
-  master: Any = None
+  master: Any = masters.NO_MASTER
   param_dtype: Any = None
   decay: bool = False
   state_sharding: Any = None
@@ -179,6 +180,9 @@ class Plan:
     mesh: the mesh for ``"shard_map"``, else None.
     fields: the rule's fields (:class:`optax_hybrid.base.Field`): the arrays
       each leaf keeps (``mu`` and ``nu`` for Adam), in the state's order.
+    decay_mode: the rule's decay mode (:data:`optax_hybrid.base.DECOUPLED`,
+      ``L2`` or None), read once for every step's
+      :class:`~optax_hybrid.kernels.Step`.
     owner: the optimizer's public function, for messages (``"hybrid_adamw"``;
       ``make_plan`` records the rule's: the default names only the package).
     static_zeros: the rule's hyperparameters that were a concrete zero at
@@ -189,6 +193,10 @@ class Plan:
       sees Python zeros, and the two states must compare equal (Optax's
       ``AliasTest``). Steps traced for either compute the same numbers while
       the injected values stay zero.
+    master: the master format asked for (``master=`` or ``master_dtype=``;
+      :data:`~optax_hybrid.masters.NO_MASTER` for none): the state has a
+      ``master`` tree where it keeps something (:attr:`~optax_hybrid.masters.MasterFormat.keeps`),
+      an entry per leaf (empty for a leaf it does not apply to).
     layout: with ``state_layout="packed"``, where each leaf's state is in the
       state's flat buffers (:class:`optax_hybrid.packing.Layout`, made by
       ``init``); None: one array per leaf.
@@ -208,6 +216,8 @@ class Plan:
   owner: str = "optax_hybrid"
   static_zeros: frozenset = frozenset()
   layout: Any = None
+  master: Any = masters.NO_MASTER
+  decay_mode: str | None = None
 
   field_names: tuple = dataclasses.field(init=False, repr=False)
   empty: dict = dataclasses.field(init=False, repr=False)
@@ -217,8 +227,8 @@ class Plan:
   def __post_init__(self):
     # A jitted step hashes its arguments' tree structure on every call, and
     # the plan is part of it: hash once.
-    object.__setattr__(self, "_key", (self.leaves, self.kernel, self.split, self.mesh, self.fields, self.owner,
-                                      self.layout))
+    object.__setattr__(self, "_key", (self.leaves, self.kernel, self.split, self.mesh, self.fields,
+                                      self.decay_mode, self.owner, self.layout, self.master))
     object.__setattr__(self, "_hash", hash(self._key))
     # What every step reads, derived once.
     names = tuple(f.name for f in self.fields)
@@ -296,7 +306,7 @@ def make_plan(params: Any, rule: Any, options: Options) -> Plan:
     if where.shard_state_over is not None and tier != tiers_lib.DISK_TIER:
       zero1 = tiers_lib.zero1_sharding(p, where.shard_state_over, owner)
     state_sharding = tiers_lib.device_sharding_of(p, zero1)
-    leaf_master = master if master is not None and master.applies_to(p.dtype) else None
+    leaf_master = master if master.applies_to(p.dtype) else masters.NO_MASTER
     row_axes = (None if state_sharding is None and not (_compat.is_tracer(p) and jax.device_count() > 1)
                 else tiers_lib.whole_leading_axes(state_sharding, np.ndim(p)) if state_sharding is not None else 0)
     quantize = storage.quantized and bool(rule.fields) and quantized.quantizable(
@@ -304,7 +314,7 @@ def make_plan(params: Any, rule: Any, options: Options) -> Plan:
     leaves.append(LeafPlan(
         path=jax.tree_util.keystr(key_path) or "<root>", tier=tier, param_kind=placement.param_memory_kind(p),
         state_kind=kind, dtypes=field_dtypes(p.dtype, rule, storage, key_path, owner),
-        master=leaf_master, master_dtype=None if leaf_master is None else leaf_master.stored_dtype(p.dtype),
+        master=leaf_master, master_dtype=leaf_master.stored_dtype(p.dtype),
         param_dtype=np.dtype(p.dtype),
         # One device (a mesh of one): nothing to split, nothing to gather back.
         decay=decay, state_sharding=state_sharding,
@@ -314,7 +324,7 @@ def make_plan(params: Any, rule: Any, options: Options) -> Plan:
   leaves = assign_slices(assign_stages(leaves, shapes, STREAM_STAGE_BYTES), shapes, STREAM_STAGE_BYTES)
   split, mesh = _split([leaf.state_sharding for leaf in leaves if leaf.runs_on == "device"])
   return Plan(tuple(leaves), fields=tuple(rule.fields), owner=owner, static_zeros=static_zeros,
-              kernel=options.execution.kernel, split=split, mesh=mesh)
+              kernel=options.execution.kernel, split=split, mesh=mesh, master=master, decay_mode=rule.decay)
 
 
 def state_bytes(leaf: LeafPlan, shape: Sequence[int]) -> int:

@@ -252,8 +252,7 @@ def _state_of_placeholder(placeholder: Any, rule: UpdateRule, o: Options) -> Any
 
 def _keeps_masters(o: Options) -> bool:
   """Whether the state has a ``master`` tree: a master format that keeps something (not ``"stochastic"``)."""
-  master = o.storage.master_format
-  return master is not None and master.keeps
+  return o.storage.master_format.keeps
 
 
 def _leaf_state(param: Any, lp: LeafPlan, plan: Plan, initial: tuple, with_master: bool) -> dict:
@@ -293,12 +292,12 @@ def _leaf_state(param: Any, lp: LeafPlan, plan: Plan, initial: tuple, with_maste
       # A donated step must not get one buffer twice: an empty entry per scales field.
       out[field.name + "_scales"] = empty(quantized.SCALE_DTYPE)
   if lp.master_dtype is not None:  # what the master format keeps: a copy of the param, or zeros
-    initial_master = lp.master.initial(param)
-    if initial_master is None:
+    start = lp.master.initial(param)  # None: zeros
+    if start is None:
       out["master"] = placed(lp.master_dtype)
     else:
-      out["master"] = (placement.copy_placed(initial_master, lp.master_dtype, lp.state_kind) if split is None
-                       else placement.placed_with(initial_master, shape, lp.master_dtype, split, abstract=abstract))
+      out["master"] = (placement.copy_placed(start, lp.master_dtype, lp.state_kind) if split is None
+                       else placement.placed_with(start, shape, lp.master_dtype, split, abstract=abstract))
   elif with_master:
     out["master"] = empty(param.dtype)
   return out

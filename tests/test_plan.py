@@ -31,7 +31,7 @@ def leaf(tier, dtypes=(F32, F32), master=None, quantized=False):
   """A leaf's plan as make_plan writes it for Adam (two fields), stage 0."""
   state_kind = "device" if tier == "device" else "pinned_host"
   return LeafPlan(path=f"['{tier}']", tier=tier, param_kind="device", state_kind=state_kind, dtypes=dtypes,
-                  master_dtype=master, master=None if master is None else COPY, quantized=quantized)
+                  master_dtype=master, master=masters.NO_MASTER if master is None else COPY, quantized=quantized)
 
 
 # --- equality: what jit's cache keys on -----------------------------------------
@@ -91,9 +91,10 @@ def test_stages_take_consecutive_leaves_up_to_the_budget_per_place():
   # it -> stage 1 (alone: larger than the budget). device and disk leaves are not streamed: stage 0.
   got = assign_stages(leaves, shapes, budget=800)
   assert [lp.stage for lp in got] == [0, 0, 0, 1, 0, 0, 0, 1, 1]
-  assert [lp.group for lp in got] == [("device", 0, None), ("host", 0, None), ("device", 0, None),
-                                      ("host", 1, None), ("device", 0, None), ("device", 0, None),
-                                      ("device", 0, None), ("device", 1, None), ("device", 1, None)]
+  none = masters.NO_MASTER
+  assert [lp.group for lp in got] == [("device", 0, none), ("host", 0, none), ("device", 0, none),
+                                      ("host", 1, none), ("device", 0, none), ("device", 0, none),
+                                      ("device", 0, none), ("device", 1, none), ("device", 1, none)]
   assert [lp.tier for lp in got] == [lp.tier for lp in leaves]  # nothing else changes
   assert [lp.stage for lp in leaves] == [0] * len(leaves)  # the input plans are left as they were
 
@@ -129,7 +130,7 @@ def test_a_leaf_larger_than_the_budget_is_a_stage_of_its_own():
            leaf("host_state", dtypes=(BF16, BF16), master=F32)]
   got = assign_stages(mixed, [(50,), (100,), (1,)], budget=800)  # 400 + 400 = 800; then 8 more
   assert [lp.stage for lp in got] == [0, 0, 1]
-  assert [lp.group for lp in got] == [("device", 0, COPY), ("device", 0, None), ("device", 1, COPY)]
+  assert [lp.group for lp in got] == [("device", 0, COPY), ("device", 0, masters.NO_MASTER), ("device", 1, COPY)]
 
 
 @needs_host

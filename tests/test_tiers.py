@@ -387,7 +387,8 @@ def test_the_plan_is_immutable_hashable_static_data():
   state = optax_hybrid.hybrid_adamw(1e-3, weight_decay=0.0, offload_fraction=0.5).init(make_params())
   plan = state.plan
   copy = optax_hybrid.plan.Plan(tuple(dataclasses.replace(leaf) for leaf in plan.leaves), plan.kernel, plan.split,
-                                plan.mesh, plan.fields, plan.owner, plan.static_zeros)
+                                plan.mesh, plan.fields, plan.owner, plan.static_zeros, master=plan.master,
+                                decay_mode=plan.decay_mode)
   assert hash(plan) == hash(copy) and plan == copy and plan is not copy
   # The static zeros are not compared: inject_hyperparams' init (under jit) records none (optax's AliasTest).
   other = dataclasses.replace(plan, static_zeros=plan.static_zeros ^ {"eps_root"})

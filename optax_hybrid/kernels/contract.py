@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from optax_hybrid import _compat
+from optax_hybrid import _compat, masters
 
 
 class LeafOperands(NamedTuple):
@@ -36,8 +36,8 @@ class LeafOperands(NamedTuple):
   an array in its storage dtype or an 8-bit
   :class:`~optax_hybrid.kernels.quantized.QuantizedMoment`. With a master
   format (:attr:`Step.master`), ``master`` is what the format gives the kernel
-  (:meth:`optax_hybrid.masters.MasterFormat.operand`: what it keeps, or a
-  seed), and ``param`` is None where the format does not read the param (a
+  (:meth:`optax_hybrid.masters.MasterFormat.operand`: what it keeps, a
+  seed, or None without one), and ``param`` is None where the format does not read the param (a
   float32 copy stands in for it).
   """
 
@@ -96,9 +96,10 @@ class Step(NamedTuple):
     write_params: return the new param ``p + u`` (rounded once) instead of ``u``.
     fields: ``rule.fields``, and ``decay``: ``rule.decay``, read once for all
       the leaves.
-    master: the leaves' master format (:class:`optax_hybrid.masters.MasterFormat`),
-      or None: the step then reads each leaf's float32 value from its param and
-      master operand and writes the new param and master through the format
+    master: the leaves' master format (:class:`optax_hybrid.masters.MasterFormat`).
+      An active one (every format but :data:`~optax_hybrid.masters.NO_MASTER`):
+      the step reads each leaf's float32 value from its param and master
+      operand and writes the new param and master through the format
       (:func:`optax_hybrid.kernels.reference.master_update`); ``write_params``
       is True and each leaf's ``out_dtype`` is its param's dtype.
   """
@@ -107,12 +108,12 @@ class Step(NamedTuple):
   write_params: bool
   fields: tuple
   decay: str | None
-  master: Any = None
+  master: Any = masters.NO_MASTER
 
 
-def step_of(rule: Any, write_params: bool = False, master: Any = None) -> Step:
-  """The :class:`Step` of ``rule`` (with ``master``, a master format: ``write_params`` is implied)."""
-  return Step(rule, write_params or master is not None, rule.fields, rule.decay, master)
+def step_of(rule: Any, write_params: bool = False, master: Any = masters.NO_MASTER) -> Step:
+  """The :class:`Step` of ``rule`` (through an active master format, ``write_params`` is implied)."""
+  return Step(rule, write_params or master.active, rule.fields, rule.decay, master)
 
 
 # Storage dtypes the custom kernels have loops for.

@@ -168,8 +168,9 @@ def implements(rule: Any) -> bool:
 
 
 def implements_master(master: Any) -> bool:
-  """The master formats the C++ loops take: none, or a copy stepped as the param (``steps_as_param``)."""
-  return master is None or master.steps_as_param
+  """The master formats the C++ loops take: none (:data:`~optax_hybrid.masters.NO_MASTER`), or a copy stepped as
+  the param (``steps_as_param``)."""
+  return not master.active or master.steps_as_param
 
 
 # The scalars the C++ reads, in this order (then the skip flag): AdamW's.
@@ -369,7 +370,7 @@ def update_leaves(
   """
   if not _load() or not implements(step.rule) or not implements_master(step.master):
     return reference.update_leaves(leaves, facts, s, step)
-  if step.master is not None:
+  if step.master.steps_as_param:
     return reference.with_master_as_param(lambda l, f, plain: update_leaves(l, f, s, plain, direct=direct),
                                           leaves, facts, step)
 

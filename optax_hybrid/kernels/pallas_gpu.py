@@ -50,6 +50,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pl_triton
 
+from optax_hybrid import masters
 from optax_hybrid.kernels import contract, packed, quantized, reference
 
 # Elements per program, and warps per program. Power-of-two blocks are a Triton
@@ -91,7 +92,7 @@ def _is_quantized(leaf: contract.LeafOperands) -> bool:
   return any(isinstance(x, quantized.QuantizedMoment) for x in leaf.state)
 
 
-def supports(leaf: contract.LeafOperands, fact: contract.LeafFacts) -> bool:
+def supports(leaf: contract.LeafOperands, fact: contract.LeafFacts, master: Any = masters.NO_MASTER) -> bool:
   """Whether a leaf can go through the kernel.
 
   Real, non-empty float16/bfloat16/float32 leaves whose state is stored in
@@ -101,13 +102,14 @@ def supports(leaf: contract.LeafOperands, fact: contract.LeafFacts) -> bool:
   ``quantized.BLOCK_SIZE`` = 256). An 8-bit leaf whose rows end in a shorter
   block takes the reference rule, in the same step, and so does an 8-bit leaf
   with a ``"kahan"`` or ``"stochastic"`` master (the 8-bit tiles share one
-  body without master formats).
+  body without master formats). ``master``: the step's master format
+  (:attr:`contract.Step.master`).
   """
   dtypes = [leaf.grad.dtype, fact.out_dtype] + ([] if leaf.param is None else [leaf.param.dtype])
-  if leaf.master is not None:
+  if master.active:
     if _is_quantized(leaf):
       return False
-    if jnp.issubdtype(leaf.master.dtype, jnp.floating):  # what the format keeps (a seed is uint32)
+    if master.keeps:  # what the format keeps (not a seed)
       dtypes.append(leaf.master.dtype)
   if _is_quantized(leaf):
     if not all(isinstance(m, quantized.QuantizedMoment) for m in leaf.state):
@@ -131,7 +133,7 @@ def _parts(value) -> list:
 
 def _pointers(leaf: contract.LeafOperands) -> int:
   """Buffers a leaf passes to a launch: its inputs, and as many outputs less the param."""
-  n_in = 1 + sum(len(_parts(x)) for x in leaf.state) + (leaf.param is not None) + (leaf.master is not None)
+  n_in = len(jax.tree.leaves(leaf))  # the gradient, each field's parts, the param and master operand if any
   return 2 * n_in - (leaf.param is not None)
 
 
@@ -185,7 +187,7 @@ def _layout(leaves, facts, scalars, step, block_size, rows_per_program) -> _Layo
       param = len(operands)
       operands.append(leaf.param)
     master = None
-    if leaf.master is not None:
+    if step.master.active:  # its operand: what it keeps, or a seed
       master = len(operands)
       operands.append(leaf.master)
     slot = _Slots(grad, state, param, len(out_shapes), master)
@@ -196,7 +198,7 @@ def _layout(leaves, facts, scalars, step, block_size, rows_per_program) -> _Layo
     elif np.dtype(leaf.grad.dtype) == np.dtype(fact.out_dtype):
       aliases[grad] = slot.first_out
     out_shapes.append(jax.ShapeDtypeStruct(leaf.grad.shape, fact.out_dtype))
-    kept = [master] if master is not None and step.master.keeps else []
+    kept = [master] if step.master.keeps else []
     for index in [k for parts in state for k in parts] + kept:  # every state array is updated in place
       aliases[index] = len(out_shapes)
       out_shapes.append(jax.ShapeDtypeStruct(operands[index].shape, operands[index].dtype))
@@ -218,7 +220,7 @@ def _launch(leaves, facts, s, step, *, interpret, block_size, rows_per_program, 
 
     def rule_step(g, state, p, scalars, *, decay, update_dtype, master=None, offset=0, shard=None):
       """The rule on one tile: ``(first, state, master)``; a skipped step keeps every stored array."""
-      if step.master is None:
+      if not step.master.active:
         first, new = reference.leaf_update(step, g, state, p, scalars, decay=decay, update_dtype=update_dtype)
         new_master = None
       else:  # the tile's elements start at flat position `offset` of the leaf
@@ -227,14 +229,13 @@ def _launch(leaves, facts, s, step, *, interpret, block_size, rows_per_program, 
       if skips:
         first = jnp.where(ok, first, p if step.write_params else jnp.zeros_like(first))
         new = jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, tuple(state))
-        new_master = None if new_master is None else jnp.where(ok, new_master, master)
+        new_master = jnp.where(ok, new_master, master) if step.master.keeps else None
       return first, new, new_master
 
     program = pl.program_id(0)
     for i, leaf in enumerate(leaves):
       if i not in eight_bit:
-        _float_body(i, leaf, facts[i], layout, refs, outs, program, rule_step, scalars, block_size,
-                    kept=step.master is not None and step.master.keeps)
+        _float_body(i, leaf, facts[i], layout, refs, outs, program, rule_step, scalars, block_size, step.master)
     if eight_bit:
       _eight_bit_body(eight_bit, leaves, facts, layout, refs, outs, program, rule_step, scalars, step,
                       rows_per_program)
@@ -256,12 +257,11 @@ def _launch(leaves, facts, s, step, *, interpret, block_size, rows_per_program, 
                           if isinstance(like, quantized.QuantizedMoment) else next(parts))
     first = outs[slot.first_out]
     state = tuple(value(x) for x in leaf.state)
-    results.append(contract.LeafResult(first, state, next(parts) if step.master is not None and step.master.keeps
-                                       else None))
+    results.append(contract.LeafResult(first, state, next(parts) if step.master.keeps else None))
   return results
 
 
-def _float_body(i, leaf, fact, layout, refs, outs, program, rule_step, scalars, block_size, kept) -> None:
+def _float_body(i, leaf, fact, layout, refs, outs, program, rule_step, scalars, block_size, master_format) -> None:
   """A float-state leaf's block: a body per leaf, each with its own static dtypes and decay."""
   slot, size, starts = layout.slots[i], int(leaf.grad.shape[0]), layout.starts
 
@@ -272,13 +272,15 @@ def _float_body(i, leaf, fact, layout, refs, outs, program, rule_step, scalars, 
     inside = offset + jnp.arange(block_size, dtype=jnp.int32) < size
     load = lambda k: pl_triton.load(refs[k].at[block], mask=inside, other=0)
     p = None if slot.param is None else load(slot.param)
-    master = None
-    if slot.master is not None:  # what the format keeps, tiled like the leaf; or a seed, read whole
-      master = load(slot.master) if kept else refs[slot.master][...]
+    master = None  # what the format keeps, tiled like the leaf; or a seed, read whole
+    if master_format.keeps:
+      master = load(slot.master)
+    elif master_format.random:
+      master = refs[slot.master][...]
     first, new, new_master = rule_step(load(slot.grad), tuple(load(parts[0]) for parts in slot.state), p, scalars,
                                        decay=fact.decay, update_dtype=fact.out_dtype, master=master, offset=offset,
                                        shard=fact.shard)
-    for k, value in enumerate((first, *new) + (() if new_master is None else (new_master,))):
+    for k, value in enumerate((first, *new) + ((new_master,) if master_format.keeps else ())):
       pl_triton.store(outs[slot.first_out + k].at[block], value, mask=inside)
 
 
@@ -359,7 +361,7 @@ def _kernel_view(leaf: contract.LeafOperands, kept: bool) -> contract.LeafOperan
 
 def _run(leaves, facts, s, step, *, interpret, block_size, rows_per_program, num_warps):
   """Every leaf in its kernel view, one launch per group (:func:`_launch_groups`), results reshaped back."""
-  views = [_kernel_view(leaf, step.master is not None and step.master.keeps) for leaf in leaves]
+  views = [_kernel_view(leaf, step.master.keeps) for leaf in leaves]
   launch = functools.partial(_launch, s=s, step=step, interpret=interpret, block_size=block_size,
                              rows_per_program=rows_per_program, num_warps=num_warps)
   results = []
@@ -368,7 +370,7 @@ def _run(leaves, facts, s, step, *, interpret, block_size, rows_per_program, num
   shaped = lambda x, like: x.reshape(like.shape)
   return [contract.LeafResult(result.first.reshape(leaf.grad.shape), jax.tree.map(shaped, result.state,
                                                                                   tuple(leaf.state)),
-                              None if result.master is None else result.master.reshape(leaf.grad.shape))
+                              result.master.reshape(leaf.grad.shape) if step.master.keeps else None)
           for leaf, result in zip(leaves, results)]
 
 
@@ -401,7 +403,7 @@ def update_leaves(
   if not implements(step.rule):
     return reference.update_leaves(leaves, facts, s, step)
   leaves = [packed.read_operands(leaf) for leaf in leaves]  # packed state (a CPU layout) read from its pools
-  if step.master is not None and step.master.steps_as_param:  # a float32 copy: stepped as the param
+  if step.master.steps_as_param:  # a float32 copy: stepped as the param
     return reference.with_master_as_param(
         lambda l, f, plain: update_leaves(l, f, s, plain, block_size=block_size, rows_per_program=rows_per_program,
                                           num_warps=num_warps), leaves, facts, step)
@@ -413,5 +415,6 @@ def update_leaves(
     interpreted = lambda leaves: run(leaves, interpret=True)
     return contract.per_platform({"cuda": on_gpu, "rocm": on_gpu, "default": interpreted}, leaves)
 
-  return reference.with_reference_for_the_rest(supports, run_pallas, leaves, facts, s, step)
+  return reference.with_reference_for_the_rest(lambda leaf, fact: supports(leaf, fact, step.master), run_pallas,
+                                               leaves, facts, s, step)
 

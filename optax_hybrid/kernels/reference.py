@@ -96,14 +96,14 @@ def master_update(step: Step, grad: jax.Array, state: Sequence[Stored], param: j
   """
   fmt = step.master
   value = fmt.value(param, master)
-  plain = step._replace(write_params=True, master=None)
+  plain = step._replace(write_params=True, master=masters.NO_MASTER)
   new_value, new_state = leaf_update(plain, grad, state, value, s, decay=decay, update_dtype=value.dtype)
   where = masters.positions(grad, offset, shard) if fmt.random else None
   first, new_master = fmt.write(new_value, update_dtype, master, where)
   if s.step_ok is not None:
     keep = lambda old, new: lax.select_n(s.step_ok, old, new)
     first = keep(value.astype(update_dtype) if param is None else param, first)
-    new_master = None if new_master is None else keep(master, new_master)
+    new_master = keep(master, new_master) if fmt.keeps else None
   return first, new_state, new_master
 
 
@@ -118,7 +118,7 @@ def with_master_as_param(run: Callable[[list, list, Step], list], leaves: Sequen
   fmt = step.master
   copies = [LeafOperands(leaf.grad, leaf.state, leaf.master) for leaf in leaves]
   results = run(copies, [fact._replace(out_dtype=leaf.master.dtype) for leaf, fact in zip(leaves, facts)],
-                step._replace(master=None, write_params=True))
+                step._replace(master=masters.NO_MASTER, write_params=True))
   out = []
   for leaf, fact, r in zip(leaves, facts, results):
     param, master = fmt.write(r.first, fact.out_dtype, leaf.master, None)
@@ -186,7 +186,7 @@ def update_leaves(
 
 
 def _whole(leaf: LeafOperands, fact: LeafFacts, s: Any, step: Step, offset: Any = 0) -> LeafResult:
-  if step.master is None:
+  if not step.master.active:
     return LeafResult(*leaf_update(step, leaf.grad, leaf.state, leaf.param, s, decay=fact.decay,
                                    update_dtype=fact.out_dtype))
   return LeafResult(*master_update(step, leaf.grad, leaf.state, leaf.param, leaf.master, s, decay=fact.decay,
@@ -233,7 +233,7 @@ def _in_row_slices(leaf: LeafOperands, fact: LeafFacts, s: Any, step: Step) -> L
   rows_total, row_size = math.prod(shape[:lead]), math.prod(shape[lead:])
   rows = max(1, SLICE_VALUES // row_size)
   as_rows = lambda x: None if x is None else jax.tree.map(lambda a: a.reshape(rows_total, *a.shape[lead:]), x)
-  kept = step.master is not None and step.master.keeps  # else the master operand is None or a seed
+  kept = step.master.keeps  # else the master operand is None or a seed
   ops = LeafOperands(as_rows(leaf.grad), as_rows(tuple(leaf.state)), as_rows(leaf.param),
                      as_rows(leaf.master) if kept else leaf.master)
   if step.write_params and ops.param is not None:
@@ -256,4 +256,4 @@ def _in_row_slices(leaf: LeafOperands, fact: LeafFacts, s: Any, step: Step) -> L
     out = update_rows(full * rows, rows_total % rows, out)
   return LeafResult(out.first.reshape(shape), jax.tree.map(lambda x, like: x.reshape(like.shape), out.state,
                                                            tuple(leaf.state)),
-                    None if out.master is None else out.master.reshape(shape))
+                    out.master.reshape(shape) if kept else None)
