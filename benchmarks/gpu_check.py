@@ -485,14 +485,18 @@ def tier_report(n_leaves: int, leaf: int, reps: int) -> None:
 
 # --- 6. layers streamed from host memory --------------------------------------------------
 
-def _llama_run(cfg_kw: dict, streamed: bool, steps: int, reps: int, in_backward: bool = False):
+def _llama_run(cfg_kw: dict, streamed: bool, steps: int, reps: int, in_backward: bool = False, pgle: bool = False):
   """Builds the Llama-style decoder (benchmarks/models.py) for real and times its donated train step.
 
   ``streamed``: layers in ``pinned_host``, run by ``scan_layers``, the host
   tier (fp32 master and moments on the host); else everything on the device
   (``lax.scan``, the device tier). ``in_backward``: the streamed layers
   stepped inside the backward pass (``optax_hybrid.step_in_backward``, the
-  ``host_state`` tier). bf16 params. Returns (losses, seconds per step,
+  ``host_state`` tier). bf16 params. ``pgle``: the step jitted with JAX's
+  profile-guided scheduling (``jax_enable_pgle``: its first runs are timed
+  on the device and the step recompiled with XLA's scheduler told what
+  each copy and kernel took; docs/streaming.md), the estimate still that
+  of the program compiled without it. Returns (losses, seconds per step,
   params, device GiB, host GiB, estimated seconds per step).
   """
   import models
@@ -525,7 +529,11 @@ def _llama_run(cfg_kw: dict, streamed: bool, steps: int, reps: int, in_backward:
         optax_hybrid.step_in_backward(tx, *models.llama_parts(models.LlamaConfig(**cfg_kw))))
 
   step = jax.jit(train_step, donate_argnums=(0, 1)).lower(params, state, batch).compile()
-  mem = step.memory_analysis()
+  compiled = step
+  if pgle:  # the jitted call (not the compiled one): JAX profiles its first runs and recompiles
+    jax.config.update("jax_enable_pgle", True)
+    step = jax.jit(train_step, donate_argnums=(0, 1))
+  mem = compiled.memory_analysis()
   gib = lambda *xs: sum(xs) / 2**30
   dev = gib(mem.argument_size_in_bytes, mem.output_size_in_bytes - mem.alias_size_in_bytes, mem.temp_size_in_bytes)
   host = gib(getattr(mem, "host_argument_size_in_bytes", 0),
@@ -541,8 +549,13 @@ def _llama_run(cfg_kw: dict, streamed: bool, steps: int, reps: int, in_backward:
     params, state, _ = step(params, state, batch)
     jax.block_until_ready(params)
 
-  seconds = timed(run, reps)
-  return losses, seconds, model.num_params, dev, host, estimated(step)
+  try:
+    for _ in range(jax.config.jax_pgle_profiling_runs + 1 - steps if pgle else 0):
+      run()  # the profiled runs left, then the recompile: not timed
+    seconds = timed(run, reps)
+  finally:
+    jax.config.update("jax_enable_pgle", False)
+  return losses, seconds, model.num_params, dev, host, estimated(compiled)
 
 
 def streaming_report(smoke: bool, reps: int) -> None:
@@ -558,23 +571,28 @@ def streaming_report(smoke: bool, reps: int) -> None:
   down, up = host_bandwidth(2**12 if smoke else 2**28, reps)
   print(f"device->host {down:.1f} GB/s, host->device {up:.1f} GB/s", flush=True)
   rows = {}
-  for name, streamed, in_backward in (("all on the device (lax.scan, device tier)", False, False),
-                                      ("streamed (scan_layers from pinned_host, host tier)", True, False),
-                                      ("streamed, stepped in the backward pass (host_state)", True, True)):
-    rows[name] = _llama_run(dict(layers=layers, **size), streamed, steps=3, reps=reps, in_backward=in_backward)
+  for name, streamed, in_backward, pgle in (
+      ("all on the device (lax.scan, device tier)", False, False, False),
+      ("streamed (scan_layers from pinned_host, host tier)", True, False, False),
+      ("streamed, stepped in the backward pass (host_state)", True, True, False),
+      ("the same, JAX's profile-guided scheduling", True, True, True)):
+    rows[name] = _llama_run(dict(layers=layers, **size), streamed, steps=3, reps=reps, in_backward=in_backward,
+                            pgle=pgle)
   print(f"| {'setup':<52} | {'ms/step':>8} | {'est. ms':>8} | {'device GiB':>10} | {'host GiB':>8} | "
         "losses (3 steps) |")
   print(f"|{'-' * 54}|{'-' * 10}|{'-' * 10}|{'-' * 12}|{'-' * 10}|{'-' * 18}|")
   for name, (losses, seconds, n, dev, host, estimate) in rows.items():
     print(f"| {name:<52} | {seconds * 1e3:8.1f} | {estimate * 1e3:8.1f} | {dev:10.2f} | {host:8.2f} | "
           f"{', '.join(f'{l:.4f}' for l in losses)} |", flush=True)
-  (l_dev, t_dev, *_), (l_str, t_str, *_), (l_back, t_back, *_) = rows.values()
+  (l_dev, t_dev, *_), (l_str, t_str, *_), (l_back, t_back, *_), (l_pgle, t_pgle, *_) = rows.values()
   check("streamed losses == all-on-device losses (3 steps)", excess(l_str, l_dev, 2e-2, 1e-3) <= 1,
         f"{l_str} vs {l_dev}")
   check("stepped-in-backward losses == all-on-device losses (3 steps)", excess(l_back, l_dev, 2e-2, 1e-3) <= 1,
         f"{l_back} vs {l_dev}")
+  check("stepped-in-backward losses with profile-guided scheduling == without (3 steps)",
+        excess(l_pgle, l_back, 1e-3, 1e-4) <= 1, f"{l_pgle} vs {l_back}")
   print(f"streamed / all on the device: {t_str / t_dev:.2f}x the step time; stepped in the backward pass: "
-        f"{t_back / t_dev:.2f}x", flush=True)
+        f"{t_back / t_dev:.2f}x ({t_pgle / t_dev:.2f}x with profile-guided scheduling)", flush=True)
   # The deepest streamed model: host memory bounds it (the layers, their gradient and the host
   # tier's state live there). Probe depths upwards from the small run until a step fails.
   total_host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
