@@ -405,12 +405,16 @@ def _placed_like(leaf: Any) -> Any:
 
 
 def _concatenate(leaves: list, length: int | None) -> Any:
-  """The leaves raveled (each row, when stacked) and concatenated, placed where the first one is."""
-  shape = (-1,) if length is None else (length, -1)
+  """The leaves raveled (each row, when stacked) and concatenated, placed where the first one is.
+
+  Never weakly typed (``jnp.full(shape, 0.5)`` is): a step's results are not, and a
+  jitted loop fed them back would compile a second program.
+  """
+  shape, dtype = ((-1,) if length is None else (length, -1)), leaves[0].dtype
   if any(isinstance(x, jax.core.Tracer) for x in leaves):
-    return jnp.concatenate([jnp.reshape(x, shape) for x in leaves], axis=-1)
+    return jnp.concatenate([jnp.reshape(x, shape) for x in leaves], axis=-1).astype(dtype)
   if leaves[0].sharding.memory_kind in (None, "device"):
-    flat = jnp.concatenate([jnp.reshape(x, shape) for x in leaves], axis=-1)
+    flat = jnp.concatenate([jnp.reshape(x, shape) for x in leaves], axis=-1).astype(dtype)
   else:  # host memory: put together on the host, not through the device
     flat = np.concatenate([np.asarray(x).reshape(shape) for x in leaves], axis=-1)
   return jax.device_put(flat, _placed_like(leaves[0]))

@@ -47,6 +47,8 @@ def test_round_trip_is_exact_and_groups_by_dtype_and_key():
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)) or
                  (a.dtype, a.shape) == (b.dtype, b.shape) or pytest.fail(f"{a.dtype}{a.shape}"), tree, params)
   assert len(flatten_params(params).groups) == 2  # float32 and bfloat16
+  # Weakly typed leaves (jnp.full with a Python float) give strongly typed buffers, as a step returns them.
+  assert not flatten_params({"w": jnp.full(3, 0.5)})["float32"].weak_type
 
 
 def test_gradients_through_the_views_equal_the_trees():
