@@ -45,6 +45,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from optax_hybrid import _compat
 from optax_hybrid.paths import path_name
 
 
@@ -57,7 +58,9 @@ class Group:
       key, ``"<key>/float32"``; with a host memory kind, ``"float32 pinned_host"``).
     key: what ``group(path, leaf)`` returned for its leaves (None without ``group``).
     dtype: the leaves' dtype name.
-    memory_kind: the leaves' memory kind (None for traced leaves).
+    memory_kind: the leaves' host memory kind (``"pinned_host"``); None for
+      device memory and for leaves flattened while traced, so that a layout
+      made inside ``jit`` equals one made outside.
     size: elements per row (stacked) or in all (not stacked).
   """
 
@@ -369,13 +372,14 @@ def _group_key(group: Callable | None, name: str, leaf: Any) -> tuple:
     raise TypeError(f"flatten_params: `group` must return a hashable key (a bool, str, int or tuple); got a "
                     f"{type(key).__name__} for leaf {name!r}.") from e
   memory_kind, devices = None, None
-  if not isinstance(leaf, jax.core.Tracer):
+  if not _compat.is_tracer(leaf):
     sharding = leaf.sharding
     if len(sharding.device_set) > 1 and not sharding.is_fully_replicated:
       raise ValueError(f"flatten_params: leaf {name!r} is split over {len(sharding.device_set)} devices; a flat "
                        "buffer is placed whole. Keep sharded leaves out of the flat params (flatten a subtree) "
                        "or gather them first.")
-    memory_kind, devices = sharding.memory_kind, tuple(sorted(d.id for d in sharding.device_set))
+    memory_kind = sharding.memory_kind if _compat.is_host_kind(sharding.memory_kind) else None
+    devices = tuple(sorted(d.id for d in sharding.device_set))
   return key, jnp.dtype(leaf.dtype).name, memory_kind, devices
 
 
@@ -383,7 +387,7 @@ def _named_groups(order: list, sizes: list, keyed: bool) -> tuple:
   """One :class:`Group` per key, named by its user key, dtype and (a host) memory kind, the names unique."""
   groups, taken = [], set()
   for (key, dtype, memory_kind, _), size in zip(order, sizes):
-    name = (f"{key}/" if keyed else "") + dtype + ("" if memory_kind in (None, "device") else f" {memory_kind}")
+    name = (f"{key}/" if keyed else "") + dtype + ("" if memory_kind is None else f" {memory_kind}")
     unique, n = name, 1
     while unique in taken:
       n += 1
@@ -411,9 +415,9 @@ def _concatenate(leaves: list, length: int | None) -> Any:
   jitted loop fed them back would compile a second program.
   """
   shape, dtype = ((-1,) if length is None else (length, -1)), leaves[0].dtype
-  if any(isinstance(x, jax.core.Tracer) for x in leaves):
+  if any(_compat.is_tracer(x) for x in leaves):
     return jnp.concatenate([jnp.reshape(x, shape) for x in leaves], axis=-1).astype(dtype)
-  if leaves[0].sharding.memory_kind in (None, "device"):
+  if not _compat.is_host_kind(leaves[0].sharding.memory_kind):
     flat = jnp.concatenate([jnp.reshape(x, shape) for x in leaves], axis=-1).astype(dtype)
   else:  # host memory: put together on the host, not through the device
     flat = np.concatenate([np.asarray(x).reshape(shape) for x in leaves], axis=-1)

@@ -51,6 +51,16 @@ def test_round_trip_is_exact_and_groups_by_dtype_and_key():
   assert not flatten_params({"w": jnp.full(3, 0.5)})["float32"].weak_type
 
 
+def test_flatten_inside_jit_and_eval_shape():
+  params = model_params()
+  flat = flatten_params(params, group=decayed)
+  traced = jax.jit(lambda p: flatten_params(p, group=decayed))(params)
+  assert traced.layout == flat.layout
+  jax.tree.map(np.testing.assert_array_equal, traced.buffers, flat.buffers)
+  abstract = jax.eval_shape(lambda p: flatten_params(p, group=decayed), params)
+  assert [(b.shape, b.dtype) for b in abstract.buffers] == [(b.shape, b.dtype) for b in flat.buffers]
+
+
 def test_gradients_through_the_views_equal_the_trees():
   params, x = model_params(), jnp.array([0, 3, 4])
   flat = flatten_params(params, group=decayed)
