@@ -4,6 +4,8 @@ Each test compares against the unflattened tree run the ordinary way:
 values, gradients, optax.adamw's steps, scan_layers and step_in_backward.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -89,14 +91,21 @@ def run_steps(tx, params, x, steps, use_step=False):
   return view(params)
 
 
-@pytest.mark.parametrize("optimizer,layout,use_step", [
-    ("hybrid", "leaves", False), ("hybrid", "leaves", True), ("hybrid", "packed", False),
-    ("hybrid", "packed", True), ("optax", None, False)])
-def test_adamw_on_flat_params_equals_optax_adamw_on_the_tree(optimizer, layout, use_step):
+@functools.cache
+def optax_references():
+  """optax.adamw on the tree (decay masked by ndim), and undecayed: 3 steps each, computed once for the module."""
   params = jax.tree.map(lambda a: a.astype(jnp.float32), model_params())  # the packed layout steps float32 natively
   x = jnp.array([0, 3, 4])
   mask_of_tree = jax.tree.map(lambda a: a.ndim > 1, params)
   want = run_steps(optax.adamw(1e-2, weight_decay=0.1, mask=mask_of_tree), params, x, 3)
+  return params, x, want, run_steps(optax.adamw(1e-2, weight_decay=0.0), params, x, 3)
+
+
+@pytest.mark.parametrize("optimizer,layout,use_step", [
+    ("hybrid", "leaves", False), ("hybrid", "leaves", True), ("hybrid", "packed", False),
+    ("hybrid", "packed", True), ("optax", None, False)])
+def test_adamw_on_flat_params_equals_optax_adamw_on_the_tree(optimizer, layout, use_step):
+  params, x, want, undecayed = optax_references()
   flat = flatten_params(params, group=decayed)
   mask = flat.mask_by_group(lambda g: g.key)
   assert mask.buffers == (False, True)
@@ -107,7 +116,6 @@ def test_adamw_on_flat_params_equals_optax_adamw_on_the_tree(optimizer, layout, 
   got = run_steps(tx, flat, x, 3, use_step)
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-6), got, want)
   # The decay mask took effect: without it the decayed leaves move differently.
-  undecayed = run_steps(optax.adamw(1e-2, weight_decay=0.0), params, x, 3)
   assert not np.allclose(got["embed"], undecayed["embed"], rtol=1e-6, atol=0)
   np.testing.assert_allclose(got["gain"], undecayed["gain"], rtol=2e-5)
 
@@ -186,3 +194,18 @@ def test_stacked_flat_params_through_step_in_backward_equal_the_tree():
   assert isinstance(got["layers"], optax_hybrid.FlatParams)
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7),
                {**got, "layers": got["layers"].as_tree()}, want)
+
+
+def test_a_checkpoint_restores_flat_params_into_the_same_layout(tmp_path):
+  pytest.importorskip("orbax.checkpoint")
+  params = model_params()
+  flat = flatten_params(params, group=decayed)
+  tx = optax_hybrid.hybrid_adamw(1e-2, weight_decay=0.1, mask=flat.mask_by_group(lambda g: g.key))
+  state = tx.init(flat)
+  manager = optax_hybrid.checkpoint.manager(tmp_path)
+  optax_hybrid.checkpoint.save(manager, 1, {"params": flat, "opt": state}, wait=True)
+  like = optax_hybrid.checkpoint.abstract_like({"params": flat, "opt": state})
+  restored = optax_hybrid.checkpoint.restore(manager, like=like)
+  assert isinstance(restored["params"], optax_hybrid.FlatParams) and restored["params"].layout == flat.layout
+  jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)),
+               restored["params"].as_tree(), params)
