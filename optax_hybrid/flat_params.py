@@ -338,7 +338,7 @@ def flatten_params(params: Any, *, group: Callable[[str, Any], Hashable] | None 
 
 
 def _as_array(name: str, leaf: Any) -> Any:
-  if isinstance(leaf, jax.Array) and not isinstance(leaf, jax.ShapeDtypeStruct):
+  if isinstance(leaf, jax.Array):  # tracers too; a jax.ShapeDtypeStruct is not one
     return leaf
   if isinstance(leaf, (np.ndarray, np.generic)):
     return jnp.asarray(leaf)
