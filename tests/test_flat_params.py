@@ -5,6 +5,9 @@ values, gradients, optax.adamw's steps, scan_layers and step_in_backward.
 """
 
 import functools
+import os
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -13,6 +16,7 @@ import optax
 import pytest
 
 import optax_hybrid
+from compile_flags import with_fast_compiles
 from optax_hybrid import flatten_params
 
 
@@ -209,3 +213,29 @@ def test_a_checkpoint_restores_flat_params_into_the_same_layout(tmp_path):
   assert isinstance(restored["params"], optax_hybrid.FlatParams) and restored["params"].layout == flat.layout
   jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)),
                restored["params"].as_tree(), params)
+
+
+ON_EIGHT_DEVICES = """
+import jax, jax.numpy as jnp, numpy as np, optax_hybrid
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+mesh = Mesh(np.array(jax.devices()[:2]), ("d",))
+replicated = jax.device_put(jnp.arange(8.0).reshape(2, 4), NamedSharding(mesh, P()))
+flat = optax_hybrid.flatten_params({"w": replicated, "b": jax.device_put(jnp.ones(4), NamedSharding(mesh, P()))})
+assert flat["float32"].sharding.is_fully_replicated and len(flat["float32"].sharding.device_set) == 2
+np.testing.assert_array_equal(flat.as_tree()["w"], np.arange(8.0).reshape(2, 4))
+split = jax.device_put(jnp.arange(8.0).reshape(2, 4), NamedSharding(mesh, P("d")))
+try:
+  optax_hybrid.flatten_params({"w": split})
+except ValueError as e:
+  assert "leaf 'w' is split over 2 devices" in str(e), e
+  print("FLAT SHARDED OK")
+"""
+
+
+def test_replicated_leaves_stay_replicated_and_split_ones_are_refused():
+  # Several devices need XLA_FLAGS before JAX starts: a subprocess, as tests/test_multidevice.py runs its script.
+  env = dict(os.environ, XLA_FLAGS=with_fast_compiles("--xla_force_host_platform_device_count=8"), JAX_PLATFORMS="cpu")
+  result = subprocess.run([sys.executable, "-c", ON_EIGHT_DEVICES], env=env, capture_output=True, text=True,
+                          timeout=300)
+  assert result.returncode == 0, result.stdout + result.stderr
+  assert "FLAT SHARDED OK" in result.stdout
