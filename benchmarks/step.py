@@ -4,7 +4,7 @@
                               [--dtype float32] [--compare-library LABEL=PATH ...] [--compare-isa avx2 ...]
                               [--moment-formats float32,8bit] [--variants 'native.*tx.step']
                               [--torch default,passive] [--pass-through] [--loop SECONDS]
-                              [--layouts leaves,packed] [--master float32]
+                              [--layouts leaves,packed] [--master float32] [--params leaves,flat]
 
 Trees: one leaf of 16M params; 1024 leaves of 16K; the GPT-2-small shapes
 (124M params, 148 leaves; --scale shrinks every dimension's product by that
@@ -61,6 +61,10 @@ as "ours native isa NAME" rows.
 rows "ours KERNEL packed, ..."). --master float32 (or kahan, stochastic): our
 variants with master weights (with --dtype bfloat16: bf16 params, a float32
 master copy, float32 moments).
+--params leaves,flat: optax.adamw and our variants once per form of the params
+(``flat``: the same leaves as one ``optax_hybrid.FlatParams``, one buffer per
+dtype, rows "..., flat params"; the step's params and gradients are then a few
+buffers, not one per leaf); torch keeps its tensor per leaf, as its users run it.
 --moment-formats: our variants once per moment format (``8bit``: 8-bit
 block-wise moments, rows named "... 8bit moments ..."; the GB/s column still
 counts the float32 step's bytes). --variants: only the variants whose names
@@ -137,13 +141,18 @@ def tree_shapes(key: str, scale: float) -> dict[str, tuple[int, ...]]:
 
 
 class JaxVariant:
-  """A jitted step, compiled ahead; ``custom_call``: the native build's target name its step must call."""
+  """A jitted step, compiled ahead; ``custom_call``: the native build's target name its step must call.
 
-  def __init__(self, name, shapes, dtype, make_step, make_state, custom_call=None):
+  ``flat``: the params and gradients as :class:`optax_hybrid.FlatParams` (one buffer per dtype).
+  """
+
+  def __init__(self, name, shapes, dtype, make_step, make_state, custom_call=None, flat=False):
     self.name = name
     device = jax.devices()[0]
     self.params = jax.device_put({k: jnp.full(s, 0.5, dtype) for k, s in shapes.items()}, device)
     self.grads = jax.device_put({k: jnp.full(s, 1e-3, dtype) for k, s in shapes.items()}, device)
+    if flat:  # the same leaves laid out in one buffer per dtype: the step takes and returns a FlatParams
+      self.params, self.grads = optax_hybrid.flatten_params(self.params), optax_hybrid.flatten_params(self.grads)
     self.state = make_state(self.params)
     with mock.patch.object(native_cpu, "TARGET", custom_call or native_cpu.TARGET):
       lowered = make_step().lower(self.params, self.state, self.grads)
@@ -259,7 +268,8 @@ def pass_through_step(p, s, g):
 
 
 def variants(shapes, dtype, torch_policies, compared, kernels=("xla", "native"), moment_formats=("float32",),
-             wanted=None, tree=None, scale=1.0, pass_through=False, layouts=("leaves",), master=None):
+             wanted=None, tree=None, scale=1.0, pass_through=False, layouts=("leaves",), master=None,
+             params_forms=("leaves",)):
   """Makers of the variants to time.
 
   ``torch_policies``: keys of :data:`TORCH_POLICIES` to time torch with (its
@@ -267,16 +277,36 @@ def variants(shapes, dtype, torch_policies, compared, kernels=("xla", "native"),
   native builds, each timed in the tx.step variants; ``moment_formats``: our
   variants once per format; ``wanted``: a regular expression the names must
   match (None: all); ``layouts``: our variants once per ``state_layout``
-  (``packed``: device moments only); ``master``: our ``master=`` option.
+  (``packed``: device moments only); ``master``: our ``master=`` option;
+  ``params_forms``: optax.adamw and our variants once per form of the params
+  (``flat``: a :class:`optax_hybrid.FlatParams`, rows named "..., flat params").
   """
+  out = []
+  for form in params_forms:
+    out += jax_variants(shapes, dtype, compared, kernels, moment_formats, layouts, master, form == "flat")
+  if pass_through:  # params, m and v in and out (donated), gradients in, as a float32 step
+    name = "pass-through: params, m, v donated, no arithmetic"
+    moments = lambda p: jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), (p, p))
+    out.append((name, lambda name=name: JaxVariant(
+        name, shapes, dtype, lambda: jax.jit(pass_through_step, donate_argnums=(0, 1)), moments)))
+  if dtype == jnp.float32:
+    for policy in torch_policies:
+      name, environment = TORCH_POLICIES[policy]
+      out.append((name, lambda name=name, environment=environment: TorchVariant(name, tree, scale, environment)))
+  keep = lambda name: wanted is None or name == "optax.adamw" or re.search(wanted, name) is not None
+  return [make for name, make in out if keep(name)]
+
+
+def jax_variants(shapes, dtype, compared, kernels, moment_formats, layouts, master, flat):
+  """(name, maker) of optax.adamw and our variants, on params as a tree or (``flat``) as FlatParams."""
   builds = [("xla", "", None)] if "xla" in kernels else []
   builds += [("native", "", native_cpu.TARGET)] if "native" in kernels and native_cpu.available() else []
   builds += [("native", f" {label}", target) for label, target in compared]
-  out = []
+  out, form = [], ", flat params" if flat else ""
   tx = optax.adamw(LR, weight_decay=WD, **({} if dtype == jnp.float32 else {"mu_dtype": jnp.float32}))
-  out.append(("optax.adamw", lambda: JaxVariant("optax.adamw", shapes, dtype, lambda: jax.jit(
+  out.append((f"optax.adamw{form}", lambda: JaxVariant(f"optax.adamw{form}", shapes, dtype, lambda: jax.jit(
       lambda p, s, g: (lambda u, s: (optax.apply_updates(p, u), s))(*tx.update(g, s, p)), donate_argnums=(0, 1)),
-      tx.init)))
+      tx.init, flat=flat)))
   for moment_format, layout in ((f, l) for f in moment_formats for l in layouts):
     if moment_format == "float32":  # the rows' names unchanged
       moments, shown = ({} if dtype == jnp.float32 else {"mu_dtype": jnp.float32, "nu_dtype": jnp.float32}), ""
@@ -294,25 +324,15 @@ def variants(shapes, dtype, torch_policies, compared, kernels=("xla", "native"),
         target = None  # the native loops take no master copy: the XLA rule steps it
       for memory in ("device",) if packed else ("device", "pinned_host"):
         ours = optax_hybrid.hybrid_adamw(LR, weight_decay=WD, kernel=kernel, state_memory_kind=memory, **options)
-        name = f"ours {kernel}{label}{packed}, {memory}{shown} moments{mastered}, tx.step"
+        name = f"ours {kernel}{label}{packed}, {memory}{shown} moments{mastered}, tx.step{form}"
         out.append((name, lambda ours=ours, name=name, target=target: JaxVariant(
-            name, shapes, dtype, lambda: jax.jit(ours.step, donate_argnums=(0, 1)), ours.init, target)))
+            name, shapes, dtype, lambda: jax.jit(ours.step, donate_argnums=(0, 1)), ours.init, target, flat)))
       if not label:
         ours = optax_hybrid.hybrid_adamw(LR, weight_decay=WD, kernel=kernel, **options)
-        name = f"ours {kernel}{packed}, device{shown} moments{mastered}, update+apply"
+        name = f"ours {kernel}{packed}, device{shown} moments{mastered}, update+apply{form}"
         out.append((name, lambda ours=ours, name=name, target=target: JaxVariant(
-            name, shapes, dtype, lambda: optax_contract_step(ours), ours.init, target)))
-  if pass_through:  # params, m and v in and out (donated), gradients in, as a float32 step
-    name = "pass-through: params, m, v donated, no arithmetic"
-    moments = lambda p: jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), (p, p))
-    out.append((name, lambda name=name: JaxVariant(
-        name, shapes, dtype, lambda: jax.jit(pass_through_step, donate_argnums=(0, 1)), moments)))
-  if dtype == jnp.float32:
-    for policy in torch_policies:
-      name, environment = TORCH_POLICIES[policy]
-      out.append((name, lambda name=name, environment=environment: TorchVariant(name, tree, scale, environment)))
-  keep = lambda name: wanted is None or name == "optax.adamw" or re.search(wanted, name) is not None
-  return [make for name, make in out if keep(name)]
+            name, shapes, dtype, lambda: optax_contract_step(ours), ours.init, target, flat)))
+  return out
 
 
 def loop(built, seconds):
@@ -367,6 +387,10 @@ def main(argv=None):
   parser.add_argument("--layouts", default="leaves",
                       help="comma-separated state layouts of our variants: leaves (default), packed "
                            "(state_layout='packed': device moments only, rows named '... packed, ...')")
+  parser.add_argument("--params", default="leaves",
+                      help="comma-separated forms of the params for optax.adamw and our variants: leaves (default: "
+                           "one array per leaf), flat (optax_hybrid.flatten_params: one buffer per dtype; rows "
+                           "named '..., flat params'); torch keeps one tensor per leaf")
   parser.add_argument("--master", default=None, choices=("float32", "kahan", "stochastic"),
                       help="our variants with this master= (for --dtype bfloat16 / float16)")
   parser.add_argument("--variants", default=None,
@@ -405,7 +429,8 @@ def main(argv=None):
     n_params = sum(math.prod(s) for s in shapes.values())
     built = [make() for make in variants(shapes, dtype, torch_policies, compared, args.kernels.split(","),
                                          args.moment_formats.split(","), args.variants, tree, args.scale,
-                                         args.pass_through, args.layouts.split(","), args.master)]
+                                         args.pass_through, args.layouts.split(","), args.master,
+                                         args.params.split(","))]
     if args.loop:
       loop(built, args.loop)
       continue

@@ -27,6 +27,10 @@ Public API:
   the layers live (:mod:`optax_hybrid.streaming`).
 * :func:`step_in_backward`: a train step whose optimizer steps each streamed
   layer inside the backward pass, so no gradient of the layers is kept.
+* :func:`flatten_params` / :class:`FlatParams`: a many-leaf model's params in
+  a few flat buffers (one per dtype, placement and group), read through
+  ``FlatParams.as_tree()`` views, so that a step passes a few large buffers
+  (:mod:`optax_hybrid.flat_params`).
 * :func:`host_arithmetic_outside_host_compute`: finds device arithmetic on
   host-resident values in a jaxpr (from :mod:`optax_hybrid.gpu_compile`).
 * :mod:`optax_hybrid.checkpoint`: Orbax save/restore that keeps memory kinds.
@@ -50,7 +54,8 @@ Public API:
 
 import warnings as _warnings
 
-from optax_hybrid import base, checkpoint, disk, masters, options, plan, recipe, report, rules, tiers
+from optax_hybrid import base, checkpoint, disk, flat_params, masters, options, plan, recipe, report, rules, tiers
+from optax_hybrid.flat_params import FlatParams, flatten_params
 from optax_hybrid.placement import (
     STATE_MEMORY_KINDS,
     apply_updates,
@@ -73,6 +78,7 @@ from optax_hybrid.gpu_compile.jaxpr_check import host_arithmetic_outside_host_co
 __version__ = "0.1.0"
 
 __all__ = [
+    "FlatParams",
     "HybridAdagradState",
     "HybridAdamState",
     "HybridLionState",
@@ -86,6 +92,8 @@ __all__ = [
     "clip_by_global_norm",
     "commit",
     "disk",
+    "flat_params",
+    "flatten_params",
     "global_norm",
     "last_learning_rate",
     "masters",

@@ -220,6 +220,17 @@ TRIGGERS = {
     "packed-sharded": lambda: hybrid(state_layout="packed").init({"w": FakeShardedParam()}),
     "packed-state": lambda: update_with_state(hybrid(state_layout="packed"),
                                               lambda s: s._replace(mu={"float32": jnp.zeros(3)})),
+    "flat-params-empty": lambda: optax_hybrid.flatten_params({}),
+    "flat-params-leaf-type": lambda: optax_hybrid.flatten_params({"w": jnp.ones(3), "lr": 0.1}),
+    "flat-params-group-key": lambda: optax_hybrid.flatten_params(PARAMS, group=lambda path, leaf: [path]),
+    "flat-params-stacked-scalar": lambda: optax_hybrid.flatten_params(
+        {"w": jnp.ones((2, 3)), "gain": jnp.ones(())}, stacked=True),
+    "flat-params-stacked-length": lambda: optax_hybrid.flatten_params(
+        {"w": jnp.ones((2, 3)), "b": jnp.ones((3, 3))}, stacked=True),
+    "flat-params-view-shape": lambda: jax.tree.map(lambda a: a[:11], optax_hybrid.flatten_params(
+        {"w": jnp.ones((3, 4))})).as_tree(),
+    "flat-params-mask-shape": lambda: optax_hybrid.flatten_params(PARAMS).mask_from_tree({"w": True}),
+    "flat-params-mask-mixed": lambda: optax_hybrid.flatten_params(PARAMS).mask_from_tree({"w": True, "b": False}),
     "packed-in-parts": lambda: hybrid(state_layout="packed").begin_step(
         STACKED, hybrid(state_layout="packed").init(STACKED), {"embed": False, "layers": True}),
     "nvme-dir-missing": lambda: hybrid(nvme_offload_fraction=0.5, nvme_offload_dir="/nonexistent/optax_hybrid"),
