@@ -113,17 +113,14 @@ def train_step(setup: Setup, model: models.Model, cfg: models.LlamaConfig, tx: A
 
 
 def flat_layers(params: dict, layer: Callable) -> tuple[dict, Callable]:
-  """``params`` with its stacked layers as one ``(L, N)`` array (each layer's weights one after another in a row)
-  and ``layer`` reading its weights as slices of its row: the copy per layer a streamed trip makes is then one."""
+  """``params`` with its stacked layers as flat params (``optax_hybrid.flatten_params(stacked=True)``: one
+  ``(L, N)`` array, a layer's weights one after another in a row) and ``layer`` reading its weights through
+  ``as_tree``: the copy of params a streamed trip makes is then one."""
   stack = params["layers"]
-  names = sorted(stack)
-  shapes = {k: stack[k].shape[1:] for k in names}
-  sizes = {k: math.prod(shapes[k]) for k in names}
-  offsets = dict(zip(names, [sum(sizes[k] for k in names[:j]) for j in range(len(names))]))
-  first = stack[names[0]]
-  flat = jax.ShapeDtypeStruct((first.shape[0], sum(sizes.values())), first.dtype, sharding=first.sharding)
-  unpack = lambda row: {k: row[offsets[k]:offsets[k] + sizes[k]].reshape(shapes[k]) for k in names}
-  return dict(params, layers={"flat": flat}), lambda x, p, rest, batch: layer(x, unpack(p["flat"]), rest, batch)
+  sharding = jax.tree.leaves(stack)[0].sharding  # abstract: eval_shape keeps no memory kind
+  flat = jax.eval_shape(lambda tree: optax_hybrid.flatten_params(tree, stacked=True), stack)
+  flat = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), flat)
+  return dict(params, layers=flat), lambda x, p, rest, batch: layer(x, p.as_tree(), rest, batch)
 
 
 def write_latency_profile(hlo: str, path: str) -> None:
