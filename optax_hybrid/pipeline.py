@@ -342,9 +342,9 @@ def _run_group(plans: Sequence[LeafPlan], leaves: Sequence[LeafIn], plan: Plan, 
                                    None if param is None else _compat.move(param, DEVICE), to(leaf.master)))
   # The kernels' Step (contract.step_of's) from what the plan read of the rule once; a master format writes params.
   facts = _facts(plans, leaves, write_params)
-  step = Step(rule, write_params or master.active, plan.fields, plan.decay_mode, master)
+  step = Step(rule, write_params or master.active, plan.fields, plan.decay_mode, master, plan.layout is not None)
   kernels = kernels_for(plan.kernel, fused=write_params, runs_on=where, split=plan.split, rule=rule,
-                        packed=plan.layout is not None)
+                        packed=step.packed)
   if where == "host":
     compute = functools.partial(_compute, facts=facts, step=step)
     s = type(s)(*(None if x is None else _compat.move(x, HOST) for x in s))

@@ -180,7 +180,8 @@ def update_leaves(
   8-bit storage are updated in slices of rows (:func:`_in_row_slices`).
   Packed state (:mod:`packed`) is read from its pools; its new values are arrays.
   """
-  leaves = [packed.read_operands(leaf) for leaf in leaves]
+  if step.packed:
+    leaves = [packed.read_operands(leaf) for leaf in leaves]
   return [_in_row_slices(leaf, fact, s, step) if _sliced(leaf, fact) else _whole(leaf, fact, s, step)
           for leaf, fact in zip(leaves, facts)]
 
