@@ -95,11 +95,12 @@ def gather(grads: Any, state: Any, params: Any, plan: Plan, *, write_params: boo
                        "initialize a new state.")
     values = leaf_values(i, lp)
     _check_gradient(lp, plan, g, values, p, owner)
-    master = None
-    if lp.master.active:  # what the format keeps (typed with its space), or a random format's seed
-      kept = None if lp.master_dtype is None else w if plan.layout is not None else _compat.move(w, lp.state_space)
-      master = lp.master.operand(kept, state.count, masters.salt_of(lp.path))
-    out.append(LeafIn(g, values, None if p is None else _compat.move(p, lp.param_space), master))
+    kept = None if lp.master_dtype is None else w
+    if plan.layout is None:  # typed with the state's space (files stay files; packed slices are on the device)
+      values, kept = _compat.move((values, kept), lp.state_space)
+    # What the master format keeps, or a random format's seed.
+    master = lp.master.operand(kept, state.count, masters.salt_of(lp.path)) if lp.master.active else None
+    out.append(LeafIn(g, values, _compat.move(p, lp.param_space), master))
   return treedef, out
 
 
@@ -121,14 +122,18 @@ def _field_entries(state: Any, treedef: Any, plan: Plan) -> list[tuple]:
 
 
 def _leaf_values(lp: LeafPlan, i: int, names: tuple, entries: list[tuple], owner: str) -> tuple:
-  """Leaf ``i``'s field values as the step reads them (:func:`_field_value`), typed with its state space."""
-  values = []
-  for name, (field, scales) in zip(names, entries):
-    if lp.on_disk or lp.quantized:
-      values.append(_field_value(lp, name, field[i], None if scales is None else scales[i], owner))
-    else:
-      values.append(_compat.move(field[i], lp.state_space))
-  return tuple(values)
+  """Leaf ``i``'s field values as the step reads them: its entries, 8-bit codes and scales, or (disk) its files."""
+  if lp.on_disk:
+    files = dict(lp.files)
+    return tuple(quantized.QuantizedMoment(files[name], files[name + "_scales"]) if lp.quantized else files[name]
+                 for name in names)
+  if not lp.quantized:
+    return tuple(field[i] for field, _ in entries)
+  for name, (_, scales) in zip(names, entries):
+    if scales is None:
+      raise ValueError(f"{owner}: the state keeps 8-bit values for {lp.path} but has no scales for them "
+                       f"(state.{name}_scales); make the state with this optimizer's init.")
+  return tuple(quantized.QuantizedMoment(field[i], scales[i]) for field, scales in entries)
 
 
 def _param_leaves(params: Any, treedef: Any, plan: Plan, write_params: bool) -> list:
@@ -161,19 +166,6 @@ def _master_leaves(master: Any, treedef: Any, plan: Plan) -> list:
   except (ValueError, TypeError) as e:
     raise ValueError(f"{owner}: the state's master weights do not match the gradients' tree structure; "
                      "pass gradients for the params the state was initialized with.") from e
-
-
-def _field_value(lp: LeafPlan, name: str, entry: Any, scales: Any, owner: str) -> Any:
-  """One field of a leaf as the step reads it: typed with its memory space, its files, or 8-bit codes and scales."""
-  if lp.on_disk:
-    files = dict(lp.files)
-    return quantized.QuantizedMoment(files[name], files[name + "_scales"]) if lp.quantized else files[name]
-  if not lp.quantized:
-    return _compat.move(entry, lp.state_space)
-  if scales is None:
-    raise ValueError(f"{owner}: the state keeps 8-bit values for {lp.path} but has no scales for them "
-                     f"(state.{name}_scales); make the state with this optimizer's init.")
-  return quantized.QuantizedMoment(_compat.move(entry, lp.state_space), _compat.move(scales, lp.state_space))
 
 
 def _check_gradient(lp: LeafPlan, plan: Plan, g: Any, values: tuple, param: Any, owner: str) -> None:
@@ -301,17 +293,16 @@ def _store(lp: LeafPlan, leaf: LeafIn, result: tuple) -> LeafOut:
   A disk leaf's state goes back to its files from where it was computed.
   """
   first, state, master = result
-  if lp.runs_on == "device":
-    first = _compat.move(first, lp.param_space)  # a host_state param in host memory goes back there
-    if lp.state_space == DEVICE:
-      return LeafOut(first, state, master)  # computed where it lives (a device run's param is on the device)
-    # Computed on the device, so known to be there: copied out. A disk leaf's state goes to its files from here.
-    to_host = lambda x: jax.tree.map(lambda a: _compat.move(a, HOST), x)  # a leaf run in slices is there
-    return LeafOut(first, state if lp.on_disk else to_host(state), to_host(master))
-  # Host compute leaves its results in host memory: the update goes to the param's memory, the state to
-  # its own (device memory for a host-resident param whose state_memory_kind is "device").
-  back = lambda x: jax.tree.map(lambda a: _compat.move(a, lp.state_space), x)
-  return LeafOut(_compat.move(first, lp.param_space), back(state), back(master))
+  if lp.runs_on == "host":  # host compute leaves its results in host memory
+    return LeafOut(_compat.move(first, lp.param_space), _compat.move(state, lp.state_space),
+                   _compat.move(master, lp.state_space))
+  if lp.slice_rows:  # stepped in place, slice by slice, in the buffers where each value lives
+    return LeafOut(_compat.move(first, lp.param_space), _compat.move(state, lp.state_space),
+                   _compat.move(master, lp.state_space))
+  # Computed on the device: copied out where the plan keeps a value elsewhere (a host_state param, the state).
+  put = lambda x, space: x if space == DEVICE else jax.tree.map(lambda a: jax.device_put(a, space), x)
+  return LeafOut(put(first, lp.param_space), state if lp.on_disk else put(state, lp.state_space),
+                 put(master, lp.state_space))
 
 
 def _run_group(plans: Sequence[LeafPlan], leaves: Sequence[LeafIn], plan: Plan, rule: Any, s: Any, *,
@@ -325,21 +316,24 @@ def _run_group(plans: Sequence[LeafPlan], leaves: Sequence[LeafIn], plan: Plan, 
   """
   where = plans[0].runs_on
   master = plans[0].master
+  grads = [leaf.grad for leaf in leaves]
+  if where == "device":
+    grads = _compat.move(grads, DEVICE)  # a no-op for gradients computed there
   operands = []
-  for lp, leaf in zip(plans, leaves):
+  for lp, leaf, grad in zip(plans, leaves, grads):
     param = _param_read(lp, leaf, master, write_params)
     if where == "host":  # the param's sharding: its gradient and (if on the device) the param cross with it
       to = lambda x: jax.tree.map(lambda a: placement.to_host(a, lp.gather_to or lp.state_sharding,
                                                               one_device=lp.on_one_device), x)
       seed = master.random  # a random format's operand is its seed: a replicated scalar
-      operands.append(LeafOperands(to(leaf.grad), to(leaf.state), to(param),
+      operands.append(LeafOperands(to(grad), to(leaf.state), to(param),
                                    _compat.move(leaf.master, HOST) if seed else to(leaf.master)))
     elif lp.state_space == DEVICE:  # the state and (a device run's) param are on the device
-      operands.append(LeafOperands(_compat.move(leaf.grad, DEVICE), leaf.state, param, leaf.master))
+      operands.append(LeafOperands(grad, leaf.state, param, leaf.master))
     else:  # the state in host memory as gather typed it (host_state; a disk leaf's master) is copied in
       to = lambda x: jax.tree.map(lambda a: jax.device_put(a, DEVICE), x)
-      operands.append(LeafOperands(_compat.move(leaf.grad, DEVICE), leaf.state if lp.on_disk else to(leaf.state),
-                                   None if param is None else _compat.move(param, DEVICE), to(leaf.master)))
+      operands.append(LeafOperands(grad, leaf.state if lp.on_disk else to(leaf.state),
+                                   param if lp.param_space == DEVICE else to(param), to(leaf.master)))
   # The kernels' Step (contract.step_of's) from what the plan read of the rule once; a master format writes params.
   facts = _facts(plans, leaves, write_params)
   step = Step(rule, write_params or master.active, plan.fields, plan.decay_mode, master, plan.layout is not None)
