@@ -24,7 +24,7 @@ from optax_hybrid import _compat, disk, masters, packing, placement
 from optax_hybrid._compat import DEVICE, HOST
 from optax_hybrid.kernels import LeafFacts, LeafOperands, kernels_for, quantized, reference
 from optax_hybrid.kernels.contract import Step, per_platform
-from optax_hybrid.plan import STREAM_WAITS, LeafPlan, Plan, check_inexact_leaves
+from optax_hybrid.plan import STREAM_WAITS, LeafPlan, Plan, inexact_leaf_error
 
 
 class LeafIn(NamedTuple):
@@ -52,7 +52,7 @@ class LeafOut(NamedTuple):
   master: Any = None
 
 
-def gather(grads: Any, state: Any, params: Any, plan: Plan, *, write_params: bool, disk_closed: bool
+def gather(grads: Any, state: Any, params: Any, plan: Plan, write_params: bool, disk_stores: Sequence = ()
            ) -> tuple[Any, list[LeafIn]]:
   """Checks the step's inputs against the state and returns ``(treedef, one LeafIn per leaf)``.
 
@@ -62,7 +62,8 @@ def gather(grads: Any, state: Any, params: Any, plan: Plan, *, write_params: boo
   different program for abstract inputs than for real arrays. Where a leaf
   keeps nothing in a field (disk-tier state, which are files; no master) the
   state's empty entry is replaced by what the step reads instead: the
-  plan's files, or None.
+  plan's files, or None. ``disk_stores``: the engine's disk store, if made
+  (a disk leaf's files are gone once it is closed).
 
   Raises:
     ValueError, TypeError: for gradients, params or a state that do not fit
@@ -76,21 +77,20 @@ def gather(grads: Any, state: Any, params: Any, plan: Plan, *, write_params: boo
     raise ValueError(f"{owner}: the gradients' tree structure does not match the optimizer state's; gradients: "
                      f"{treedef}, params at init: {plan.layout.treedef}. Pass gradients for the same params tree "
                      "the state was initialized with.")
-  check_inexact_leaves(grads, "gradient", owner)
   if len(plan.leaves) != len(grad_leaves):
     raise ValueError(
         f"{owner}: the state's placement plan has {len(plan.leaves)} leaves but the gradients "
         f"have {len(grad_leaves)}; pass gradients for the params the state was initialized with.")
   param_leaves = _param_leaves(params, treedef, plan, write_params)
   if plan.layout is None:
-    master_leaves = _master_leaves(state.master, treedef, plan)
+    master_leaves = _master_leaves(state.master, treedef, plan) if plan.master.keeps else [None] * len(grad_leaves)
     leaf_values = lambda i, lp: _leaf_values(lp, i, plan.field_names, entries, owner)
   else:  # packed: slices of the state's flat buffers, in device memory (optax_hybrid.packing)
     packed_values, master_leaves = packing.leaf_state(state, plan)
     leaf_values = lambda i, lp: packed_values[i]
   out = []
   for i, (lp, g, p, w) in enumerate(zip(plan.leaves, grad_leaves, param_leaves, master_leaves)):
-    if lp.on_disk and disk_closed:
+    if lp.on_disk and disk_stores and disk_stores[0].closed:
       raise ValueError(f"{owner}: the disk-tier files of {lp.path} were removed by tx.close(); "
                        "initialize a new state.")
     values = leaf_values(i, lp)
@@ -157,10 +157,8 @@ def _param_leaves(params: Any, treedef: Any, plan: Plan, write_params: bool) -> 
 
 
 def _master_leaves(master: Any, treedef: Any, plan: Plan) -> list:
-  """The state's master entries (Nones where the state has no master tree), or a ValueError when they do not fit."""
+  """The state's master entries (a master format that keeps something), or a ValueError when they do not fit."""
   owner = plan.owner
-  if not plan.master.keeps:
-    return [None] * treedef.num_leaves
   try:
     return treedef.flatten_up_to(master)
   except (ValueError, TypeError) as e:
@@ -169,7 +167,10 @@ def _master_leaves(master: Any, treedef: Any, plan: Plan) -> list:
 
 
 def _check_gradient(lp: LeafPlan, plan: Plan, g: Any, values: tuple, param: Any, owner: str) -> None:
-  """The gradient has its state's shape and, like the param, is complex or real."""
+  """The gradient is floating or complex, has its state's shape and, like the param, is complex or real."""
+  dtype = g.dtype if hasattr(g, "dtype") else jnp.result_type(g)
+  if not jnp.issubdtype(dtype, jnp.inexact):
+    raise inexact_leaf_error("gradient", lp.path, dtype, owner)
   like = values[0] if values else param
   if isinstance(like, quantized.QuantizedMoment):
     like = like.codes
@@ -262,6 +263,8 @@ def run_groups(leaves: list[LeafIn], plan: Plan, rule: Any, s: Any, *, write_par
       computed[i] = result
   for i in list(computed):
     stored(i)
+  if not plan.master.active:  # the update (or new param) as computed
+    return outs
   if not write_params:
     return _master_updates(outs, leaves, plan)
   return _written_over_params(outs, leaves, plan)
