@@ -122,10 +122,8 @@ def is_tracer(x: Any) -> bool:
 
 
 def move(x: Any, space: Any) -> Any:
-  """Moves an array to a memory space, keeping its sharding; a no-op if already there."""
-  if memory_space_of(x) == space:
-    return x
-  return jax.device_put(x, space)
+  """Moves an array, or every array of a pytree, to a memory space, keeping its sharding; a no-op for one there."""
+  return jax.tree.map(lambda a: a if memory_space_of(a) == space else jax.device_put(a, space), x)
 
 
 # The platforms a step is declared to be lowered for (kernels.contract.lowering_for).

@@ -24,7 +24,7 @@ from optax_hybrid import _compat, disk, masters, packing, placement
 from optax_hybrid._compat import DEVICE, HOST
 from optax_hybrid.kernels import LeafFacts, LeafOperands, kernels_for, quantized, reference
 from optax_hybrid.kernels.contract import Step, per_platform
-from optax_hybrid.plan import STREAM_WAITS, LeafPlan, Plan, check_inexact_leaves
+from optax_hybrid.plan import STREAM_WAITS, LeafPlan, Plan, inexact_leaf_error
 
 
 class LeafIn(NamedTuple):
@@ -52,7 +52,7 @@ class LeafOut(NamedTuple):
   master: Any = None
 
 
-def gather(grads: Any, state: Any, params: Any, plan: Plan, *, write_params: bool, disk_closed: bool
+def gather(grads: Any, state: Any, params: Any, plan: Plan, write_params: bool, disk_stores: Sequence = ()
            ) -> tuple[Any, list[LeafIn]]:
   """Checks the step's inputs against the state and returns ``(treedef, one LeafIn per leaf)``.
 
@@ -62,7 +62,8 @@ def gather(grads: Any, state: Any, params: Any, plan: Plan, *, write_params: boo
   different program for abstract inputs than for real arrays. Where a leaf
   keeps nothing in a field (disk-tier state, which are files; no master) the
   state's empty entry is replaced by what the step reads instead: the
-  plan's files, or None.
+  plan's files, or None. ``disk_stores``: the engine's disk store, if made
+  (a disk leaf's files are gone once it is closed).
 
   Raises:
     ValueError, TypeError: for gradients, params or a state that do not fit
@@ -76,30 +77,30 @@ def gather(grads: Any, state: Any, params: Any, plan: Plan, *, write_params: boo
     raise ValueError(f"{owner}: the gradients' tree structure does not match the optimizer state's; gradients: "
                      f"{treedef}, params at init: {plan.layout.treedef}. Pass gradients for the same params tree "
                      "the state was initialized with.")
-  check_inexact_leaves(grads, "gradient", owner)
   if len(plan.leaves) != len(grad_leaves):
     raise ValueError(
         f"{owner}: the state's placement plan has {len(plan.leaves)} leaves but the gradients "
         f"have {len(grad_leaves)}; pass gradients for the params the state was initialized with.")
   param_leaves = _param_leaves(params, treedef, plan, write_params)
   if plan.layout is None:
-    master_leaves = _master_leaves(state.master, treedef, plan)
+    master_leaves = _master_leaves(state.master, treedef, plan) if plan.master.keeps else [None] * len(grad_leaves)
     leaf_values = lambda i, lp: _leaf_values(lp, i, plan.field_names, entries, owner)
   else:  # packed: slices of the state's flat buffers, in device memory (optax_hybrid.packing)
     packed_values, master_leaves = packing.leaf_state(state, plan)
     leaf_values = lambda i, lp: packed_values[i]
   out = []
   for i, (lp, g, p, w) in enumerate(zip(plan.leaves, grad_leaves, param_leaves, master_leaves)):
-    if lp.on_disk and disk_closed:
+    if lp.on_disk and disk_stores and disk_stores[0].closed:
       raise ValueError(f"{owner}: the disk-tier files of {lp.path} were removed by tx.close(); "
                        "initialize a new state.")
     values = leaf_values(i, lp)
     _check_gradient(lp, plan, g, values, p, owner)
-    master = None
-    if lp.master.active:  # what the format keeps (typed with its space), or a random format's seed
-      kept = None if lp.master_dtype is None else w if plan.layout is not None else _compat.move(w, lp.state_space)
-      master = lp.master.operand(kept, state.count, masters.salt_of(lp.path))
-    out.append(LeafIn(g, values, None if p is None else _compat.move(p, lp.param_space), master))
+    kept = None if lp.master_dtype is None else w
+    if plan.layout is None:  # typed with the state's space (files stay files; packed slices are on the device)
+      values, kept = _compat.move((values, kept), lp.state_space)
+    # What the master format keeps, or a random format's seed.
+    master = lp.master.operand(kept, state.count, masters.salt_of(lp.path)) if lp.master.active else None
+    out.append(LeafIn(g, values, _compat.move(p, lp.param_space), master))
   return treedef, out
 
 
@@ -121,14 +122,18 @@ def _field_entries(state: Any, treedef: Any, plan: Plan) -> list[tuple]:
 
 
 def _leaf_values(lp: LeafPlan, i: int, names: tuple, entries: list[tuple], owner: str) -> tuple:
-  """Leaf ``i``'s field values as the step reads them (:func:`_field_value`), typed with its state space."""
-  values = []
-  for name, (field, scales) in zip(names, entries):
-    if lp.on_disk or lp.quantized:
-      values.append(_field_value(lp, name, field[i], None if scales is None else scales[i], owner))
-    else:
-      values.append(_compat.move(field[i], lp.state_space))
-  return tuple(values)
+  """Leaf ``i``'s field values as the step reads them: its entries, 8-bit codes and scales, or (disk) its files."""
+  if lp.on_disk:
+    files = dict(lp.files)
+    return tuple(quantized.QuantizedMoment(files[name], files[name + "_scales"]) if lp.quantized else files[name]
+                 for name in names)
+  if not lp.quantized:
+    return tuple(field[i] for field, _ in entries)
+  for name, (_, scales) in zip(names, entries):
+    if scales is None:
+      raise ValueError(f"{owner}: the state keeps 8-bit values for {lp.path} but has no scales for them "
+                       f"(state.{name}_scales); make the state with this optimizer's init.")
+  return tuple(quantized.QuantizedMoment(field[i], scales[i]) for field, scales in entries)
 
 
 def _param_leaves(params: Any, treedef: Any, plan: Plan, write_params: bool) -> list:
@@ -152,10 +157,8 @@ def _param_leaves(params: Any, treedef: Any, plan: Plan, write_params: bool) -> 
 
 
 def _master_leaves(master: Any, treedef: Any, plan: Plan) -> list:
-  """The state's master entries (Nones where the state has no master tree), or a ValueError when they do not fit."""
+  """The state's master entries (a master format that keeps something), or a ValueError when they do not fit."""
   owner = plan.owner
-  if not plan.master.keeps:
-    return [None] * treedef.num_leaves
   try:
     return treedef.flatten_up_to(master)
   except (ValueError, TypeError) as e:
@@ -163,21 +166,11 @@ def _master_leaves(master: Any, treedef: Any, plan: Plan) -> list:
                      "pass gradients for the params the state was initialized with.") from e
 
 
-def _field_value(lp: LeafPlan, name: str, entry: Any, scales: Any, owner: str) -> Any:
-  """One field of a leaf as the step reads it: typed with its memory space, its files, or 8-bit codes and scales."""
-  if lp.on_disk:
-    files = dict(lp.files)
-    return quantized.QuantizedMoment(files[name], files[name + "_scales"]) if lp.quantized else files[name]
-  if not lp.quantized:
-    return _compat.move(entry, lp.state_space)
-  if scales is None:
-    raise ValueError(f"{owner}: the state keeps 8-bit values for {lp.path} but has no scales for them "
-                     f"(state.{name}_scales); make the state with this optimizer's init.")
-  return quantized.QuantizedMoment(_compat.move(entry, lp.state_space), _compat.move(scales, lp.state_space))
-
-
 def _check_gradient(lp: LeafPlan, plan: Plan, g: Any, values: tuple, param: Any, owner: str) -> None:
-  """The gradient has its state's shape and, like the param, is complex or real."""
+  """The gradient is floating or complex, has its state's shape and, like the param, is complex or real."""
+  dtype = g.dtype if hasattr(g, "dtype") else jnp.result_type(g)
+  if not jnp.issubdtype(dtype, jnp.inexact):
+    raise inexact_leaf_error("gradient", lp.path, dtype, owner)
   like = values[0] if values else param
   if isinstance(like, quantized.QuantizedMoment):
     like = like.codes
@@ -270,6 +263,8 @@ def run_groups(leaves: list[LeafIn], plan: Plan, rule: Any, s: Any, *, write_par
       computed[i] = result
   for i in list(computed):
     stored(i)
+  if not plan.master.active:  # the update (or new param) as computed
+    return outs
   if not write_params:
     return _master_updates(outs, leaves, plan)
   return _written_over_params(outs, leaves, plan)
@@ -301,17 +296,16 @@ def _store(lp: LeafPlan, leaf: LeafIn, result: tuple) -> LeafOut:
   A disk leaf's state goes back to its files from where it was computed.
   """
   first, state, master = result
-  if lp.runs_on == "device":
-    first = _compat.move(first, lp.param_space)  # a host_state param in host memory goes back there
-    if lp.state_space == DEVICE:
-      return LeafOut(first, state, master)  # computed where it lives (a device run's param is on the device)
-    # Computed on the device, so known to be there: copied out. A disk leaf's state goes to its files from here.
-    to_host = lambda x: jax.tree.map(lambda a: _compat.move(a, HOST), x)  # a leaf run in slices is there
-    return LeafOut(first, state if lp.on_disk else to_host(state), to_host(master))
-  # Host compute leaves its results in host memory: the update goes to the param's memory, the state to
-  # its own (device memory for a host-resident param whose state_memory_kind is "device").
-  back = lambda x: jax.tree.map(lambda a: _compat.move(a, lp.state_space), x)
-  return LeafOut(_compat.move(first, lp.param_space), back(state), back(master))
+  if lp.runs_on == "host":  # host compute leaves its results in host memory
+    return LeafOut(_compat.move(first, lp.param_space), _compat.move(state, lp.state_space),
+                   _compat.move(master, lp.state_space))
+  if lp.slice_rows:  # stepped in place, slice by slice, in the buffers where each value lives
+    return LeafOut(_compat.move(first, lp.param_space), _compat.move(state, lp.state_space),
+                   _compat.move(master, lp.state_space))
+  # Computed on the device: copied out where the plan keeps a value elsewhere (a host_state param, the state).
+  put = lambda x, space: x if space == DEVICE else jax.tree.map(lambda a: jax.device_put(a, space), x)
+  return LeafOut(put(first, lp.param_space), state if lp.on_disk else put(state, lp.state_space),
+                 put(master, lp.state_space))
 
 
 def _run_group(plans: Sequence[LeafPlan], leaves: Sequence[LeafIn], plan: Plan, rule: Any, s: Any, *,
@@ -325,26 +319,29 @@ def _run_group(plans: Sequence[LeafPlan], leaves: Sequence[LeafIn], plan: Plan, 
   """
   where = plans[0].runs_on
   master = plans[0].master
+  grads = [leaf.grad for leaf in leaves]
+  if where == "device":
+    grads = _compat.move(grads, DEVICE)  # a no-op for gradients computed there
   operands = []
-  for lp, leaf in zip(plans, leaves):
+  for lp, leaf, grad in zip(plans, leaves, grads):
     param = _param_read(lp, leaf, master, write_params)
     if where == "host":  # the param's sharding: its gradient and (if on the device) the param cross with it
       to = lambda x: jax.tree.map(lambda a: placement.to_host(a, lp.gather_to or lp.state_sharding,
                                                               one_device=lp.on_one_device), x)
       seed = master.random  # a random format's operand is its seed: a replicated scalar
-      operands.append(LeafOperands(to(leaf.grad), to(leaf.state), to(param),
+      operands.append(LeafOperands(to(grad), to(leaf.state), to(param),
                                    _compat.move(leaf.master, HOST) if seed else to(leaf.master)))
     elif lp.state_space == DEVICE:  # the state and (a device run's) param are on the device
-      operands.append(LeafOperands(_compat.move(leaf.grad, DEVICE), leaf.state, param, leaf.master))
+      operands.append(LeafOperands(grad, leaf.state, param, leaf.master))
     else:  # the state in host memory as gather typed it (host_state; a disk leaf's master) is copied in
       to = lambda x: jax.tree.map(lambda a: jax.device_put(a, DEVICE), x)
-      operands.append(LeafOperands(_compat.move(leaf.grad, DEVICE), leaf.state if lp.on_disk else to(leaf.state),
-                                   None if param is None else _compat.move(param, DEVICE), to(leaf.master)))
+      operands.append(LeafOperands(grad, leaf.state if lp.on_disk else to(leaf.state),
+                                   param if lp.param_space == DEVICE else to(param), to(leaf.master)))
   # The kernels' Step (contract.step_of's) from what the plan read of the rule once; a master format writes params.
   facts = _facts(plans, leaves, write_params)
-  step = Step(rule, write_params or master.active, plan.fields, plan.decay_mode, master)
+  step = Step(rule, write_params or master.active, plan.fields, plan.decay_mode, master, plan.layout is not None)
   kernels = kernels_for(plan.kernel, fused=write_params, runs_on=where, split=plan.split, rule=rule,
-                        packed=plan.layout is not None)
+                        packed=step.packed)
   if where == "host":
     compute = functools.partial(_compute, facts=facts, step=step)
     s = type(s)(*(None if x is None else _compat.move(x, HOST) for x in s))

@@ -437,12 +437,17 @@ def check_inexact_leaves(tree: Any, what: str, owner: str) -> None:
   for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
     dtype = jnp.result_type(leaf) if not hasattr(leaf, "dtype") else leaf.dtype
     if not jnp.issubdtype(dtype, jnp.inexact):  # floating or complex
-      raise TypeError(
-          f"{owner}: {what} leaf {jax.tree_util.keystr(path) or '<root>'} has "
-          f"dtype {dtype}; only floating-point and complex leaves can be "
-          "optimized. Keep integer and boolean leaves out of the optimized tree "
-          "(for example with optax.masked or nnx.Optimizer(..., wrt=nnx.Param))."
-      )
+      raise inexact_leaf_error(what, jax.tree_util.keystr(path) or "<root>", dtype, owner)
+
+
+def inexact_leaf_error(what: str, path: str, dtype: Any, owner: str) -> TypeError:
+  """The error for an integer or boolean leaf at ``path`` of the ``what`` (``"params"``, ``"gradient"``)."""
+  return TypeError(
+      f"{owner}: {what} leaf {path} has "
+      f"dtype {dtype}; only floating-point and complex leaves can be "
+      "optimized. Keep integer and boolean leaves out of the optimized tree "
+      "(for example with optax.masked or nnx.Optimizer(..., wrt=nnx.Param))."
+  )
 
 
 def mask_leaves(mask: Any, params: Any, treedef: Any, owner: str) -> list[bool]:

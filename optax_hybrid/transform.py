@@ -407,10 +407,6 @@ class _Engine:
                       "this optimizer's init.")
     return plan
 
-  def _gather(self, grads, state, params, plan, write_params):
-    return pipeline.gather(grads, state, params, plan, write_params=write_params,
-                           disk_closed=bool(self.disk_store) and self.disk_store[0].closed)
-
   def _scalars(self, state, plan, step_ok):
     """The rule that steps (the hyperparameters that were zero at init left out, made once) and its scalars."""
     lr = self.learning_rate(state.count) if callable(self.learning_rate) else self.learning_rate
@@ -433,7 +429,7 @@ class _Engine:
 
   def _step(self, grads, state, params, *, write_params):
     plan = self._checked_plan(state)
-    treedef, leaves = self._gather(grads, state, params, plan, write_params)
+    treedef, leaves = pipeline.gather(grads, state, params, plan, write_params, self.disk_store)
     step_ok = placement.all_finite([leaf.grad for leaf in leaves]) if self.options.execution.skip_nonfinite else None
     stepped, s = self._scalars(state, plan, step_ok)
     outs, written = self._run(leaves, plan, stepped, s, state.count, write_params)
@@ -451,7 +447,7 @@ class _Engine:
                        "state_layout='leaves' (the default).")
     rows = _rows_stepped(by_rows, params, plan)
     shaped = lambda tree: jax.tree.map(lambda p: jax.ShapeDtypeStruct(np.shape(p), jnp.asarray(p).dtype), tree)
-    treedef, leaves = self._gather(shaped(params), state, params, plan, True)
+    treedef, leaves = pipeline.gather(shaped(params), state, params, plan, True, self.disk_store)
     stepped, s = self._scalars(state, plan, None)
     steppers = [pipeline.row_stepper(plan.leaves[i], leaves[i], plan, stepped, s, write_params=True) for i in rows]
 
@@ -473,7 +469,7 @@ class _Engine:
                          f"the leaves stepped by rows); got {grads_def} for params {treedef}.")
       for i in rows:  # not read: typed like the param so that gather's checks hold
         grad_leaves[i] = jax.ShapeDtypeStruct(np.shape(leaves[i].param), leaves[i].grad.dtype)
-      _, now = self._gather(treedef.unflatten(grad_leaves), state, params, plan, True)
+      _, now = pipeline.gather(treedef.unflatten(grad_leaves), state, params, plan, True, self.disk_store)
       others = [i for i in range(len(leaves)) if i not in rows]
       sub_plan = dataclasses.replace(plan, leaves=tuple(plan.leaves[i] for i in others))
       sub_outs, written = self._run([now[i] for i in others], sub_plan, stepped, s, state.count, True)

@@ -102,6 +102,10 @@ class Step(NamedTuple):
       operand and writes the new param and master through the format
       (:func:`optax_hybrid.kernels.reference.master_update`); ``write_params``
       is True and each leaf's ``out_dtype`` is its param's dtype.
+    packed: the leaves' state is packed (``state_layout="packed"``): each
+      value a :class:`~optax_hybrid.kernels.packed.PackedSlice` of a pool,
+      which a kernel without pools reads first
+      (:func:`~optax_hybrid.kernels.packed.read_operands`).
   """
 
   rule: Any
@@ -109,6 +113,7 @@ class Step(NamedTuple):
   fields: tuple
   decay: str | None
   master: Any = masters.NO_MASTER
+  packed: bool = False
 
 
 def step_of(rule: Any, write_params: bool = False, master: Any = masters.NO_MASTER) -> Step:

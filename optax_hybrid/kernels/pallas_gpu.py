@@ -402,7 +402,8 @@ def update_leaves(
       raise ValueError(f"pallas kernel: `{name}` must be a positive power of two, got {value}.")
   if not implements(step.rule):
     return reference.update_leaves(leaves, facts, s, step)
-  leaves = [packed.read_operands(leaf) for leaf in leaves]  # packed state (a CPU layout) read from its pools
+  if step.packed:  # a CPU layout: the state read from its pools
+    leaves = [packed.read_operands(leaf) for leaf in leaves]
   if step.master.steps_as_param:  # a float32 copy: stepped as the param
     return reference.with_master_as_param(
         lambda l, f, plain: update_leaves(l, f, s, plain, block_size=block_size, rows_per_program=rows_per_program,

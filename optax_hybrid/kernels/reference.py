@@ -57,8 +57,9 @@ def leaf_update(step: Step, grad: jax.Array, state: Sequence[Stored], param: jax
   if decay and step.decay == L2:
     g = g + s.weight_decay * p
   real, values = jnp.finfo(dtype).dtype, []
-  for f, x in zip(step.fields, state):
-    values.append(_values(x, real if f.real else dtype, signed=f.signed))
+  for f, x in zip(step.fields, state):  # decoded to the compute dtype (8-bit codes dequantized)
+    x = quantized.dequantize(x, signed=f.signed) if isinstance(x, quantized.QuantizedMoment) else x
+    values.append(x.astype(real if f.real else dtype))
   update, new_values = step.rule.update(g, tuple(values), s)
   if decay and step.decay == DECOUPLED:
     update = update - (s.learning_rate * s.weight_decay) * p
@@ -67,8 +68,9 @@ def leaf_update(step: Step, grad: jax.Array, state: Sequence[Stored], param: jax
   else:
     first, unchanged = update.astype(update_dtype), None
   new = []
-  for f, x, old in zip(step.fields, new_values, state):
-    new.append(_stored(x, like=old, signed=f.signed))
+  for f, x, old in zip(step.fields, new_values, state):  # encoded in the old value's storage format
+    new.append(quantized.quantize(x, signed=f.signed) if isinstance(old, quantized.QuantizedMoment)
+               else x.astype(old.dtype))
   new = tuple(new)
   if s.step_ok is not None:
     # A scalar predicate selects without broadcasting, which host compute needs.
@@ -126,20 +128,6 @@ def with_master_as_param(run: Callable[[list, list, Step], list], leaves: Sequen
   return out
 
 
-def _values(stored: Stored, dtype, *, signed: bool) -> jax.Array:
-  """A stored field's values in the compute dtype."""
-  if isinstance(stored, quantized.QuantizedMoment):
-    return quantized.dequantize(stored, signed=signed).astype(dtype)
-  return stored.astype(dtype)
-
-
-def _stored(x: jax.Array, *, like: Stored, signed: bool) -> Stored:
-  """New field values in the storage format of ``like``."""
-  if isinstance(like, quantized.QuantizedMoment):
-    return quantized.quantize(x, signed=signed)
-  return x.astype(like.dtype)
-
-
 def with_reference_for_the_rest(
     takes: Callable[[LeafOperands, LeafFacts], bool],
     run_taken: Callable[[list, list], list],
@@ -180,7 +168,8 @@ def update_leaves(
   8-bit storage are updated in slices of rows (:func:`_in_row_slices`).
   Packed state (:mod:`packed`) is read from its pools; its new values are arrays.
   """
-  leaves = [packed.read_operands(leaf) for leaf in leaves]
+  if step.packed:
+    leaves = [packed.read_operands(leaf) for leaf in leaves]
   return [_in_row_slices(leaf, fact, s, step) if _sliced(leaf, fact) else _whole(leaf, fact, s, step)
           for leaf, fact in zip(leaves, facts)]
 
