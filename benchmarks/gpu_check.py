@@ -528,33 +528,30 @@ def _llama_run(cfg_kw: dict, streamed: bool, steps: int, reps: int, in_backward:
     train_step = models.donation_ordered(
         optax_hybrid.step_in_backward(tx, *models.llama_parts(models.LlamaConfig(**cfg_kw))))
 
-  step = jax.jit(train_step, donate_argnums=(0, 1)).lower(params, state, batch).compile()
-  compiled = step
-  if pgle:  # the jitted call (not the compiled one): JAX profiles its first runs and recompiles
-    jax.config.update("jax_enable_pgle", True)
-    step = jax.jit(train_step, donate_argnums=(0, 1))
+  compiled = jax.jit(train_step, donate_argnums=(0, 1)).lower(params, state, batch).compile()
+  # With pgle, the jitted call (not the compiled one): JAX profiles its first runs and recompiles.
+  step = jax.jit(train_step, donate_argnums=(0, 1)) if pgle else compiled
   mem = compiled.memory_analysis()
   gib = lambda *xs: sum(xs) / 2**30
   dev = gib(mem.argument_size_in_bytes, mem.output_size_in_bytes - mem.alias_size_in_bytes, mem.temp_size_in_bytes)
   host = gib(getattr(mem, "host_argument_size_in_bytes", 0),
              getattr(mem, "host_output_size_in_bytes", 0) - getattr(mem, "host_alias_size_in_bytes", 0),
              getattr(mem, "host_temp_size_in_bytes", 0))
-  losses = []
-  for _ in range(steps):
-    params, state, loss = step(params, state, batch)
-    losses.append(float(loss))
-
   def run():
     nonlocal params, state
-    params, state, _ = step(params, state, batch)
+    params, state, loss = step(params, state, batch)
     jax.block_until_ready(params)
+    return loss
 
+  enabled = jax.config.jax_enable_pgle
+  jax.config.update("jax_enable_pgle", pgle)
   try:
+    losses = [float(run()) for _ in range(steps)]
     for _ in range(jax.config.jax_pgle_profiling_runs + 1 - steps if pgle else 0):
       run()  # the profiled runs left, then the recompile: not timed
     seconds = timed(run, reps)
   finally:
-    jax.config.update("jax_enable_pgle", False)
+    jax.config.update("jax_enable_pgle", enabled)
   return losses, seconds, model.num_params, dev, host, estimated(compiled)
 
 
