@@ -231,7 +231,7 @@ def _backward_loop(step: Callable, length: int, saved: Any, xs: Any, consts: Any
   carry's cotangent at the first layer's input, the sink, the gradients of
   ``xs``' leaves ``x_diff`` (stacked) and of ``consts``' leaves ``k_diff``.
   """
-  x_leaves = jax.tree.leaves(xs)
+  x_leaves, k_leaves = jax.tree.leaves(xs), jax.tree.leaves(consts)
 
   def body(t, loop):
     i = length - 1 - t
@@ -251,7 +251,7 @@ def _backward_loop(step: Callable, length: int, saved: Any, xs: Any, consts: Any
     return g, preceding, use_gradient(sink, g_p, p, i), g_xs, g_consts
 
   start = (g, _slice(stack_of(sink), length - 1), sink, [jnp.zeros_like(x_leaves[j]) for j in x_diff or ()],
-           [jnp.zeros_like(jax.tree.leaves(consts)[j]) for j in k_diff])
+           [jnp.zeros_like(k_leaves[j]) for j in k_diff])
   g, _, sink, g_xs, g_consts = lax.fori_loop(0, length, body, start)
   return g, sink, g_xs, g_consts
 

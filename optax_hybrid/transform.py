@@ -459,7 +459,8 @@ class _Engine:
 
     def step_rows(buffers, grads, start, params=None):
       grads = _rows_of(grads, "grads", rows, leaves, plan)
-      params = [None] * len(rows) if params is None else _rows_of(params, "params", rows, leaves, plan)
+      n = np.shape(grads[0])[0]
+      params = [None] * len(rows) if params is None else _rows_of(params, "params", rows, leaves, plan, n)
       return tuple(step(b, g, start, p) for (_, step), b, g, p in zip(steppers, buffers, grads, params))
 
     def finish(buffers, grads):
@@ -515,12 +516,13 @@ def _rows_stepped(by_rows: Any, params: Any, plan: Plan) -> list[int]:
   return rows
 
 
-def _rows_of(tree: Any, name: str, rows: list[int], leaves: list, plan: Plan) -> list:
-  """The leaves of ``tree`` as some rows of each leaf ``rows`` marks, in that order; checked against the params."""
+def _rows_of(tree: Any, name: str, rows: list[int], leaves: list, plan: Plan, n: int | None = None) -> list:
+  """The leaves of ``tree`` as some rows (``n`` if given) of each leaf ``rows`` marks, in that order; checked
+  against the params."""
   values = jax.tree.leaves(tree)
   params = [leaves[i].param for i in rows]
   counts = {np.shape(v)[0] if np.ndim(v) else None for v in values}
-  if len(values) != len(rows) or len(counts) != 1 or any(
+  if len(values) != len(rows) or len(counts) != 1 or (n is not None and counts != {n}) or any(
       np.shape(v)[1:] != np.shape(p)[1:] for v, p in zip(values, params)):
     expected = ", ".join(f"{plan.leaves[i].path} (n, {', '.join(map(str, np.shape(p)[1:]))})"
                          for i, p in zip(rows, params))

@@ -503,3 +503,13 @@ def test_shard_state_over_on_a_one_device_mesh_steps_like_optax_adamw():
   ref = optax.adamw(1e-3)
   updates, _ = ref.update(grads, ref.init(params), params)
   np.testing.assert_allclose(np.asarray(new["w"]), np.asarray(optax.apply_updates(params, updates)["w"]), rtol=1e-6)
+
+
+def test_step_rows_refuses_params_rows_that_are_not_the_gradients_rows():
+  tx = optax_hybrid.hybrid_adamw(1e-3)
+  params = {"layers": jnp.ones((3, 4)), "head": jnp.ones(4)}
+  parts = tx.begin_step(params, tx.init(params), {"layers": True, "head": False})
+  with pytest.raises(ValueError, match="`params` must hold n rows of each leaf stepped by rows"):
+    parts.step_rows(parts.buffers, {"layers": jnp.ones((1, 4))}, 0, {"layers": params["layers"][:2]})
+  buffers = parts.step_rows(parts.buffers, {"layers": jnp.ones((1, 4))}, 0, {"layers": params["layers"][:1]})
+  assert buffers[0].first.shape == (3, 4)
