@@ -364,7 +364,7 @@ def _stacked_length(names: list, leaves: list) -> int:
 
 
 def _group_key(group: Callable | None, name: str, leaf: Any) -> tuple:
-  """(user key, dtype, memory kind, device ids, the sharding to place the buffer with) of one leaf."""
+  """(user key, dtype, host memory kind or None, device ids or None when traced) of one leaf: its group."""
   key = None if group is None else group(name, leaf)
   try:
     hash(key)
