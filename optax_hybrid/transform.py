@@ -33,9 +33,23 @@ class HybridOptimizer(optax.GradientTransformationExtraArgs):
   params directly: each leaf's parameter is read once and written once (in
   place when the buffers are donated), instead of returning an update that a
   second pass adds.
+
+  Its ``update`` is an engine's (:func:`optimizer` makes it so): ``step``,
+  ``begin_step`` and ``close`` are that engine's, reached through
+  ``update.__self__``.
+
+  Raises:
+    TypeError: when made with an ``update`` that is not an engine's.
   """
 
   __slots__ = ()
+
+  def __new__(cls, init: Callable, update: Callable) -> "HybridOptimizer":
+    if not isinstance(getattr(update, "__self__", None), _Engine):
+      raise TypeError(f"HybridOptimizer: `update` must be the engine's (made by optax_hybrid.transform.optimizer), "
+                      f"got {update!r}; build the optimizer with optax_hybrid.transform.optimizer or a hybrid_* "
+                      "function.")
+    return super().__new__(cls, init, update)
 
   def step(self, params: optax.Params, state: Any, grads: optax.Updates) -> tuple[optax.Params, Any]:
     r"""One fused optimizer step: ``(params, state, grads) -> (new_params, new_state)``.
@@ -55,7 +69,7 @@ class HybridOptimizer(optax.GradientTransformationExtraArgs):
       >>> step = jax.jit(tx.step, donate_argnums=(0, 1))
       >>> params, state = step(params, state, {"w": jnp.ones(3)})
     """
-    return _engine_of(self).step(params, state, grads)
+    return self.update.__self__.step(params, state, grads)
 
   def begin_step(self, params: optax.Params, state: Any, by_rows: Any) -> "StepInParts":
     r"""A fused step taken in parts: the leaves marked in ``by_rows`` a few rows at a time, then the others.
@@ -101,7 +115,7 @@ class HybridOptimizer(optax.GradientTransformationExtraArgs):
       >>> bool(jnp.all(new_params["layers"] == expected["layers"]))
       True
     """
-    return _engine_of(self).begin_step(params, state, by_rows)
+    return self.update.__self__.begin_step(params, state, by_rows)
 
   def close(self) -> None:
     """Closes the disk tier's file, which frees its space. A no-op without disk leaves.
@@ -109,16 +123,7 @@ class HybridOptimizer(optax.GradientTransformationExtraArgs):
     Also done when the process ends. The state's disk leaves cannot be stepped
     afterwards.
     """
-    _engine_of(self).close()
-
-
-def _engine_of(tx: HybridOptimizer) -> "_Engine":
-  """The engine whose bound ``update`` ``tx`` holds (:func:`optimizer` makes it so)."""
-  engine = getattr(tx.update, "__self__", None)
-  if not isinstance(engine, _Engine):
-    raise TypeError(f"HybridOptimizer: `update` must be the engine's (made by optax_hybrid.transform.optimizer), "
-                    f"got {tx.update!r}.")
-  return engine
+    self.update.__self__.close()
 
 
 class StepInParts(NamedTuple):
@@ -396,16 +401,14 @@ class _Engine:
     for store in self.disk_store:
       store.close()
 
-  def _checked_plan(self, state: Any) -> Plan:
+  def _state_error(self, state: Any) -> TypeError:
+    """Why ``state`` is not a state this optimizer's init made (raised by the steps, which check in two lines)."""
     rule = self.rule
     if type(state) is not rule.state_type:
-      raise TypeError(f"{rule.owner}: `state` must be the {rule.state_type.__name__} made by this optimizer's "
-                      f"init, got {type(state).__name__}.")
-    plan = state.plan
-    if not isinstance(plan, Plan):
-      raise TypeError(f"{rule.owner}: the state has no placement plan (plan={plan!r}); make the state with "
-                      "this optimizer's init.")
-    return plan
+      return TypeError(f"{rule.owner}: `state` must be the {rule.state_type.__name__} made by this optimizer's "
+                       f"init, got {type(state).__name__}.")
+    return TypeError(f"{rule.owner}: the state has no placement plan (plan={state.plan!r}); make the state with "
+                     "this optimizer's init.")
 
   def _scalars(self, state, plan, step_ok):
     """The rule that steps (the hyperparameters that were zero at init left out, made once) and its scalars."""
@@ -428,7 +431,9 @@ class _Engine:
     return outs, written
 
   def _step(self, grads, state, params, *, write_params):
-    plan = self._checked_plan(state)
+    plan = getattr(state, "plan", None)
+    if type(state) is not self.rule.state_type or not isinstance(plan, Plan):
+      raise self._state_error(state)
     treedef, leaves = pipeline.gather(grads, state, params, plan, write_params, self.disk_store)
     step_ok = placement.all_finite([leaf.grad for leaf in leaves]) if self.options.execution.skip_nonfinite else None
     stepped, s = self._scalars(state, plan, step_ok)
@@ -436,7 +441,9 @@ class _Engine:
     return treedef.unflatten([out.first for out in outs]), _next_state(state, outs, treedef, step_ok, written)
 
   def begin_step(self, params: Any, state: Any, by_rows: Any) -> "StepInParts":
-    plan = self._checked_plan(state)
+    plan = getattr(state, "plan", None)
+    if type(state) is not self.rule.state_type or not isinstance(plan, Plan):
+      raise self._state_error(state)
     if self.options.execution.skip_nonfinite:
       raise ValueError(f"{self.rule.owner}: skip_nonfinite=True cannot skip a step taken in parts (the optimizer "
                        "in the backward pass): a layer is stepped before the gradients of the layers under it "

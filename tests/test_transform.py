@@ -173,15 +173,17 @@ def test_the_old_name_hybrid_adamw_is_a_deprecated_alias():
 
 
 def test_a_hybrid_optimizer_steps_through_its_engine_and_refuses_another_update():
-  # HybridOptimizer's step, begin_step and close are its engine's (transform._Engine), found through its update.
+  # HybridOptimizer's step, begin_step and close are its engine's (transform._Engine), found through its update;
+  # one made with another update is refused when it is made, not at its first step.
   tx = optax_hybrid.hybrid_sgd(1e-1)
   assert tx.update.__self__.step.__qualname__ == "_Engine.step"
   params = {"w": jnp.ones(3)}
   new, _ = tx.step(params, tx.init(params), {"w": jnp.ones(3)})
   np.testing.assert_allclose(new["w"], 0.9)
-  stranger = optax_hybrid.HybridOptimizer(tx.init, lambda updates, state, params=None: (updates, state))
   with pytest.raises(TypeError, match="`update` must be the engine's"):
-    stranger.step(params, tx.init(params), params)
+    optax_hybrid.HybridOptimizer(tx.init, lambda updates, state, params=None: (updates, state))
+  remade = optax_hybrid.HybridOptimizer(*tx)  # its own init and update: accepted
+  np.testing.assert_allclose(remade.step(params, tx.init(params), {"w": jnp.ones(3)})[0]["w"], 0.9)
 
 
 def test_chain_with_clipping_matches_optax():
