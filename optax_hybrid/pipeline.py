@@ -12,7 +12,6 @@ runs: the rule's state is a tuple of values, one per field of the plan
 
 from __future__ import annotations
 
-import functools
 from typing import Any, NamedTuple, Sequence
 
 import jax
@@ -22,7 +21,7 @@ from jax import lax
 
 from optax_hybrid import _compat, disk, masters, packing, placement
 from optax_hybrid._compat import DEVICE, HOST
-from optax_hybrid.kernels import LeafFacts, LeafOperands, kernels_for, quantized, reference
+from optax_hybrid.kernels import LeafFacts, LeafOperands, LeafResult, quantized, reference
 from optax_hybrid.kernels.contract import Step, per_platform
 from optax_hybrid.plan import STREAM_WAITS, LeafPlan, Plan, inexact_leaf_error
 
@@ -35,13 +34,19 @@ class LeafIn(NamedTuple):
   tier its :class:`disk.DiskMoment` (codes and scales: two) until
   :func:`load_disk_state`. ``master`` is its master format's kernel operand
   (:meth:`optax_hybrid.masters.MasterFormat.operand`: what it keeps, or a
-  seed), None without a master.
+  seed), None without a master. Static, decided by :func:`gather` from the
+  plan: ``reads_param``, whether the kernel reads the param (not without
+  decay or a fused apply, nor where a master copy stands in for it: a param
+  that is not read is not moved either), and ``facts``, what the kernel
+  knows of the leaf (:class:`LeafFacts`).
   """
 
   grad: Any
   state: tuple
   param: Any = None
   master: Any = None
+  reads_param: bool = False
+  facts: LeafFacts | None = None
 
 
 class LeafOut(NamedTuple):
@@ -100,7 +105,12 @@ def gather(grads: Any, state: Any, params: Any, plan: Plan, write_params: bool, 
       values, kept = _compat.move((values, kept), lp.state_space)
     # What the master format keeps, or a random format's seed.
     master = lp.master.operand(kept, state.count, masters.salt_of(lp.path)) if lp.master.active else None
-    out.append(LeafIn(g, values, _compat.move(p, lp.param_space), master))
+    param = _compat.move(p, lp.param_space)
+    writes = write_params or lp.master.active  # the first result is the new param
+    reads = lp.master.reads_param if lp.master.active else (lp.decay or write_params)
+    facts = LeafFacts(lp.decay, jnp.asarray(param).dtype if writes else jnp.result_type(g.dtype, *lp.dtypes),
+                      lp.row_axes)
+    out.append(LeafIn(g, values, param, master, reads, facts))
   return treedef, out
 
 
@@ -242,12 +252,6 @@ def run_groups(leaves: list[LeafIn], plan: Plan, rule: Any, s: Any, *, write_par
                                 and plan.leaves[i].stage == stage)
   computed: dict[int, tuple] = {}  # leaf -> its results where it ran, until stored back
   outs: list = [None] * len(leaves)
-
-  def stored(i):
-    if outs[i] is None:
-      outs[i] = _store(plan.leaves[i], leaves[i], computed.pop(i))
-    return outs[i]
-
   for (where, stage, _), idx in members.items():
     group_in = [leaves[i] for i in idx]
     if plan.leaves[idx[0]].streamed and stage > 0:
@@ -255,14 +259,15 @@ def run_groups(leaves: list[LeafIn], plan: Plan, rule: Any, s: Any, *, write_par
       previous = [i for i in computed if computed_back and at(i, where, stage - computed_back)]
       older = [i for i in range(len(leaves)) if at(i, where, stage - stored_back)]
       for i in older:
-        stored(i)
+        if i in computed:
+          outs[i] = _store(plan.leaves[i], leaves[i], computed.pop(i))
       group_in = _after(group_in, previous, older, computed, outs)
     run = _run_in_row_slices if plan.leaves[idx[0]].slice_rows else _run_group
     for i, result in zip(idx, run([plan.leaves[i] for i in idx], group_in, plan, rule, s,
                                   write_params=write_params)):
       computed[i] = result
   for i in list(computed):
-    stored(i)
+    outs[i] = _store(plan.leaves[i], leaves[i], computed.pop(i))
   if not plan.master.active:  # the update (or new param) as computed
     return outs
   if not write_params:
@@ -281,13 +286,14 @@ def _after(group_in: list, previous: list[int], older: list[int], computed: dict
   every input). The waited-for values are replaced by the barrier's outputs,
   so the order stays in the program.
   """
-  (done, stored), group_in = lax.optimization_barrier(
-      (([computed[i] for i in previous], [outs[i] for i in older]), group_in))
+  arrays = [(leaf.grad, leaf.state, leaf.param, leaf.master) for leaf in group_in]  # not the static facts
+  (done, stored), arrays = lax.optimization_barrier(
+      (([computed[i] for i in previous], [outs[i] for i in older]), arrays))
   for i, value in zip(previous, done):
     computed[i] = value
   for i, value in zip(older, stored):
     outs[i] = value
-  return group_in
+  return [leaf._replace(grad=g, state=st, param=p, master=m) for leaf, (g, st, p, m) in zip(group_in, arrays)]
 
 
 def _store(lp: LeafPlan, leaf: LeafIn, result: tuple) -> LeafOut:
@@ -324,7 +330,7 @@ def _run_group(plans: Sequence[LeafPlan], leaves: Sequence[LeafIn], plan: Plan, 
     grads = _compat.move(grads, DEVICE)  # a no-op for gradients computed there
   operands = []
   for lp, leaf, grad in zip(plans, leaves, grads):
-    param = _param_read(lp, leaf, master, write_params)
+    param = leaf.param if leaf.reads_param else None
     if where == "host":  # the param's sharding: its gradient and (if on the device) the param cross with it
       to = lambda x: jax.tree.map(lambda a: placement.to_host(a, lp.gather_to or lp.state_sharding,
                                                               one_device=lp.on_one_device), x)
@@ -338,14 +344,12 @@ def _run_group(plans: Sequence[LeafPlan], leaves: Sequence[LeafIn], plan: Plan, 
       operands.append(LeafOperands(grad, leaf.state if lp.on_disk else to(leaf.state),
                                    param if lp.param_space == DEVICE else to(param), to(leaf.master)))
   # The kernels' Step (contract.step_of's) from what the plan read of the rule once; a master format writes params.
-  facts = _facts(plans, leaves, write_params)
+  facts = [leaf.facts for leaf in leaves]
   step = Step(rule, write_params or master.active, plan.fields, plan.decay_mode, master, plan.layout is not None)
-  kernels = kernels_for(plan.kernel, fused=write_params, runs_on=where, split=plan.split, rule=rule,
-                        packed=step.packed)
+  kernels = plan.kernels[where, write_params]
   if where == "host":
-    compute = functools.partial(_compute, facts=facts, step=step)
     s = type(s)(*(None if x is None else _compat.move(x, HOST) for x in s))
-    branches = {p: _compat.host_compute(functools.partial(compute, k), out_memory_spaces=HOST)
+    branches = {p: _compat.host_compute(lambda ops, s, k=k: k(ops, facts, s, step), out_memory_spaces=HOST)
                 for p, k in kernels.items()}
   else:
     branches, operands = _device_branches(kernels, plans, facts, step, plan, s, operands)
@@ -363,8 +367,7 @@ def _device_branches(kernels: dict, plans: Sequence[LeafPlan], facts: Sequence[L
   if plan.split == "shard_map" and set(kernels.values()) != {reference.update_leaves}:
     return ({p: _per_shard(k, plans, facts, step, plan.mesh, s, operands) for p, k in kernels.items()},
             [_constrained(op, lp) for lp, op in zip(plans, operands)])
-  compute = functools.partial(_compute, facts=facts, step=step)
-  return {p: functools.partial(compute, k) for p, k in kernels.items()}, operands
+  return {p: lambda ops, s, k=k: k(ops, facts, s, step) for p, k in kernels.items()}, operands
 
 
 def _run_in_row_slices(plans: Sequence[LeafPlan], leaves: Sequence[LeafIn], plan: Plan, rule: Any, s: Any, *,
@@ -405,12 +408,12 @@ def row_stepper(lp: LeafPlan, leaf: LeafIn, plan: Plan, rule: Any, s: Any, *,
   but its first (each device steps its shard of the rows).
   """
   master = lp.master
-  facts = _facts([lp], [leaf], write_params)
+  facts = [leaf.facts]
   step = Step(rule, write_params or master.active, plan.fields, plan.decay_mode, master)
-  kernels = kernels_for(plan.kernel, fused=write_params, split=plan.split, rule=rule)
+  kernels = plan.kernels["device", write_params]
   shape = leaf.grad.shape
   row_size = int(np.prod(shape[1:])) % 2**32
-  param = _param_read(lp, leaf, master, write_params)
+  param = leaf.param if leaf.reads_param else None
   in_place = write_params and leaf.param is not None  # the new param overwrites the param, row by row
   kept = master.keeps
   # The first result's buffer lives where the param does (host memory for layers streamed by scan_layers).
@@ -443,29 +446,6 @@ def row_stepper(lp: LeafPlan, leaf: LeafIn, plan: Plan, rule: Any, s: Any, *,
   return LeafOut(first, leaf.state, leaf.master if kept else None), step_rows
 
 
-def _param_read(lp: LeafPlan, leaf: LeafIn, master: Any, write_params: bool) -> Any:
-  """The param if the step reads it, else None: a param that is not read is not moved either.
-
-  It is not read without decay or a fused apply, nor where a master copy stands in for it.
-  """
-  if master.active:
-    return leaf.param if master.reads_param else None
-  return leaf.param if (lp.decay or write_params) else None
-
-
-def _facts(plans: Sequence[LeafPlan], leaves: Sequence[LeafIn], write_params: bool) -> list[LeafFacts]:
-  """What the kernel knows statically of each leaf: its decay, the first result's dtype, its whole leading axes."""
-  master = plans[0].master
-  return [LeafFacts(lp.decay, jnp.asarray(leaf.param).dtype if (write_params or master.active) else
-                    jnp.result_type(leaf.grad.dtype, *lp.dtypes), lp.row_axes) for lp, leaf in zip(plans, leaves)]
-
-
-def _compute(kernel: Any, operands: Sequence[LeafOperands], s: Any, *, facts: Sequence[LeafFacts],
-             step: Any) -> list[tuple]:
-  """``kernel`` on ``operands``: ``(first, state, master)`` per leaf."""
-  return [(r.first, r.state, r.master) for r in kernel(operands, facts, s, step)]
-
-
 def _constrained(op: LeafOperands, lp: LeafPlan) -> LeafOperands:
   """A leaf's operands constrained to its state's sharding (a random master format's seed stays replicated)."""
   constrain = lambda x: jax.tree.map(lambda a: placement.constrain(a, lp.state_sharding), x)
@@ -493,14 +473,14 @@ def _per_shard(kernel: Any, plans: Sequence[LeafPlan], facts: Sequence[LeafFacts
     ops = [op._replace(master=masters.seed_at(op.master, masters.shard_origin(spec, mesh, *fact.shard)))
            if lp.master.random and fact.shard is not None else op
            for lp, op, spec, fact in zip(plans, ops, specs, local_facts)]
-    return _compute(kernel, ops, s, facts=local_facts, step=step)
+    return kernel(ops, local_facts, s, step)
 
   # A master that keeps values is split like the state; a random format's seed is replicated.
   in_specs = ([LeafOperands(sp, tuple(sp for _ in op.state), None if op.param is None else sp,
                             lp.master.operand_spec(sp))
                for lp, op, sp in zip(plans, operands, specs)],
               type(s)(*(None if x is None else jax.sharding.PartitionSpec() for x in s)))
-  out_specs = [(sp, tuple(sp for _ in op.state), sp if lp.master_dtype is not None else None)
+  out_specs = [LeafResult(sp, tuple(sp for _ in op.state), sp if lp.master_dtype is not None else None)
                for lp, op, sp in zip(plans, operands, specs)]
   # check_vma=False: lax.platform_dependent's branches inside the kernels
   # type their outputs' varying axes differently; the step is elementwise.

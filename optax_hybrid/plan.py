@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from optax_hybrid import _compat, masters, placement, tiers as tiers_lib
-from optax_hybrid.kernels import quantized
+from optax_hybrid.kernels import kernels_for, quantized
 from optax_hybrid.options import Options
 
 # The state bytes a stage of streamed leaves gathers before the next stage
@@ -200,6 +200,14 @@ class Plan:
     layout: with ``state_layout="packed"``, where each leaf's state is in the
       state's flat buffers (:class:`optax_hybrid.packing.Layout`, made by
       ``init``); None: one array per leaf.
+    kernels: the kernel route, ``{(runs_on, writes_params): {platform:
+      kernel}}`` for each place the leaves run (``"device"``, ``"host"``) and
+      for ``update`` (False) and ``step`` (True):
+      :func:`optax_hybrid.kernels.kernels_for` of ``kernel``, ``split``, the
+      rule the steps run and the layout, decided here once; the platform is
+      picked when the step is lowered
+      (:func:`optax_hybrid.kernels.contract.per_platform`). Not compared: it
+      follows from the fields that are (and the rule).
     field_names: the names of ``fields`` (derived, as the rest below).
     empty: ``{params-shaped attribute: indices of the leaves that keep an
       empty entry there}`` for every field, its ``_scales`` and ``master``
@@ -218,6 +226,7 @@ class Plan:
   layout: Any = None
   master: Any = masters.NO_MASTER
   decay_mode: str | None = None
+  kernels: dict = dataclasses.field(default_factory=dict, repr=False)
 
   field_names: tuple = dataclasses.field(init=False, repr=False)
   empty: dict = dataclasses.field(init=False, repr=False)
@@ -323,8 +332,13 @@ def make_plan(params: Any, rule: Any, options: Options) -> Plan:
   shapes = [np.shape(p) for _, p in with_paths]
   leaves = assign_slices(assign_stages(leaves, shapes, STREAM_STAGE_BYTES), shapes, STREAM_STAGE_BYTES)
   split, mesh = _split([leaf.state_sharding for leaf in leaves if leaf.runs_on == "device"])
+  # The rule the steps run (its static zeros left out) decides which kernels implement it.
+  stepped, kernel = rule.without(static_zeros), options.execution.kernel
+  routes = {(where, fused): kernels_for(kernel, fused=fused, runs_on=where, split=split, rule=stepped,
+                                        packed=storage.state_layout == "packed")
+            for where in dict.fromkeys(leaf.runs_on for leaf in leaves) for fused in (False, True)}
   return Plan(tuple(leaves), fields=tuple(rule.fields), owner=owner, static_zeros=static_zeros,
-              kernel=options.execution.kernel, split=split, mesh=mesh, master=master, decay_mode=rule.decay)
+              kernel=kernel, split=split, mesh=mesh, master=master, decay_mode=rule.decay, kernels=routes)
 
 
 def state_bytes(leaf: LeafPlan, shape: Sequence[int]) -> int:

@@ -67,6 +67,39 @@ def test_a_rule_the_native_kernel_lacks_keeps_every_other_kernel_choice():
                                                                      "default": ref}
 
 
+def test_the_plan_decides_the_kernel_route_once_and_the_steps_follow_it():
+  # Plan.kernels: kernels_for of the plan's kernel, split and stepped rule, for each place its leaves run and for
+  # update (False) and step (True); the traced steps read it and call no kernels_for of their own.
+  import dataclasses
+  import optax_hybrid
+  params = {"w": jnp.ones((4, 4)), "b": jnp.ones(4)}
+  state = optax_hybrid.hybrid_adamw(1e-3, tiers={"w": "device", "b": "host"}).init(params)
+  assert set(state.plan.kernels) == {("device", False), ("device", True), ("host", False), ("host", True)}
+  for (where, fused), table in state.plan.kernels.items():
+    assert table == kernels.kernels_for("auto", fused=fused, runs_on=where, rule=AdamW())
+  # A rule the native kernel lacks (Lion) is routed to the reference.
+  lion = optax_hybrid.hybrid_lion(1e-3, kernel="native").init(params).plan.kernels
+  assert lion == {("device", False): {"default": reference.update_leaves},
+                  ("device", True): {"default": reference.update_leaves}}
+  tx = optax_hybrid.hybrid_adamw(1e-3, kernel="xla")
+  state = tx.init(params)
+  assert set(state.plan.kernels) == {("device", False), ("device", True)}
+  seen = []
+
+  def recording(leaves, facts, s, step):
+    seen.append((len(leaves), step.write_params))
+    return reference.update_leaves(leaves, facts, s, step)
+
+  routed = dataclasses.replace(state.plan, kernels={key: {"default": recording} for key in state.plan.kernels})
+  state = state._replace(plan=routed)
+  new, _ = tx.step(params, state, params)
+  update, _ = tx.update(params, state, params)
+  assert seen == [(2, True), (2, False)]
+  want, _ = tx.step(params, tx.init(params), params)
+  np.testing.assert_array_equal(new["w"], want["w"])
+  np.testing.assert_allclose(np.asarray(update["w"]) + 1.0, want["w"], rtol=1e-6)
+
+
 def test_lowering_platforms_are_the_declared_ones_else_the_backends(monkeypatch):
   # JAX's "gpu" backend lowers for "cuda" or "rocm" (the names lax.platform_dependent takes), so both
   # branches are kept there. mutmut: kernels.contract.lowering_platforms 8 (the "gpu" key misspelled) survived:

@@ -48,6 +48,10 @@ def check_kernel_name(kernel: str, owner: str = "optax_hybrid") -> str:
   return kernel
 
 
+# The native kernel inside host compute (made once: the plans that route to it compare their tables equal).
+_NATIVE_IN_HOST_COMPUTE = functools.partial(native_cpu.update_leaves, direct=True)
+
+
 def _native_or_reference(kernel: str) -> Kernel:
   if native_cpu.available():
     return native_cpu.update_leaves
@@ -98,7 +102,7 @@ def kernels_for(kernel: str, *, fused: bool, runs_on: str = "device", split: str
   wants_native = kernel == "native" or (kernel == "auto" and fused)
   if runs_on == "host":
     if wants_native and split == "direct" and native_cpu.available():
-      return {"cpu": functools.partial(native_cpu.update_leaves, direct=True), "default": reference.update_leaves}
+      return {"cpu": _NATIVE_IN_HOST_COMPUTE, "default": reference.update_leaves}
     return {"default": reference.update_leaves}
   if kernel == "xla" or split == "xla":
     return {"default": reference.update_leaves}

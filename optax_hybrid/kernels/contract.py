@@ -188,8 +188,10 @@ def per_platform(branches: dict[str, Callable], *args: Any) -> Any:
   others. Only the branches of :func:`lowering_platforms` are traced (tracing
   a branch, the Pallas kernel's say, is not free); one left is called
   directly, several go through ``lax.platform_dependent``, which picks at
-  lowering.
+  lowering. A table of one branch is that branch on every platform.
   """
+  if len(branches) == 1:
+    return branches["default"](*args)
   wanted = {p: branches.get(p, branches["default"]) for p in lowering_platforms()}
   distinct = list(dict.fromkeys(wanted.values()))
   if len(distinct) == 1:
