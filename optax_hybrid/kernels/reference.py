@@ -170,11 +170,21 @@ def update_leaves(
   """
   if step.packed:
     leaves = [packed.read_operands(leaf) for leaf in leaves]
-  return [_in_row_slices(leaf, fact, s, step) if _sliced(leaf, fact) else _whole(leaf, fact, s, step)
-          for leaf, fact in zip(leaves, facts)]
+  return [_leaf_result(leaf, fact, s, step) for leaf, fact in zip(leaves, facts)]
 
 
-def _whole(leaf: LeafOperands, fact: LeafFacts, s: Any, step: Step, offset: Any = 0) -> LeafResult:
+def _leaf_result(leaf: LeafOperands, fact: LeafFacts, s: Any, step: Step, offset: Any = 0) -> LeafResult:
+  """One leaf's step, through its master format if it has one.
+
+  A leaf with 8-bit storage (every field or none) of more than one slice of
+  rows is stepped in slices (:func:`_in_row_slices`, whose slices come back
+  here to be stepped whole, at their ``offset`` in the leaf).
+  """
+  if leaf.state and isinstance(leaf.state[0], quantized.QuantizedMoment) and leaf.grad.size > SLICE_VALUES:
+    lead = _row_axes(leaf, fact)
+    row = math.prod(leaf.grad.shape[lead:])
+    if lead > 0 and leaf.grad.size // row > max(1, SLICE_VALUES // row):
+      return _in_row_slices(leaf, fact, s, step)
   if not step.master.active:
     return LeafResult(*leaf_update(step, leaf.grad, leaf.state, leaf.param, s, decay=fact.decay,
                                    update_dtype=fact.out_dtype))
@@ -195,15 +205,6 @@ def _row_axes(leaf: LeafOperands, fact: LeafFacts) -> int:
   """How many leading axes :func:`_in_row_slices` merges into rows: those whole on every device."""
   lead = leaf.grad.ndim - 1
   return lead if fact.row_axes is None else min(fact.row_axes, lead)
-
-
-def _sliced(leaf: LeafOperands, fact: LeafFacts) -> bool:
-  """8-bit storage (every field or none) of a leaf of more than one slice of rows."""
-  if not (leaf.state and isinstance(leaf.state[0], quantized.QuantizedMoment) and leaf.grad.size > SLICE_VALUES):
-    return False
-  lead = _row_axes(leaf, fact)
-  row = math.prod(leaf.grad.shape[lead:])
-  return lead > 0 and leaf.grad.size // row > max(1, SLICE_VALUES // row)
 
 
 def _in_row_slices(leaf: LeafOperands, fact: LeafFacts, s: Any, step: Step) -> LeafResult:
@@ -230,13 +231,14 @@ def _in_row_slices(leaf: LeafOperands, fact: LeafFacts, s: Any, step: Step) -> L
   else:
     first = _compat.zeros_like(ops.grad).astype(fact.out_dtype)
   out = LeafResult(first, ops.state, ops.master if kept else None)
+  whole = fact._replace(row_axes=0)  # a slice is stepped whole: no leading axis to cut it along
 
   def update_rows(start, size, out):
     take = lambda x: lax.dynamic_slice_in_dim(x, start, size, axis=0)
     param = out.first if step.write_params and ops.param is not None else ops.param
     part = LeafOperands(take(ops.grad), jax.tree.map(take, out.state), None if param is None else take(param),
                         take(out.master) if kept else ops.master)
-    new = _whole(part, fact, s, step, offset=start * row_size)
+    new = _leaf_result(part, whole, s, step, offset=start * row_size)
     return jax.tree.map(lambda buf, x: lax.dynamic_update_slice_in_dim(buf, x, start, axis=0), out, new)
 
   full = rows_total // rows
