@@ -69,7 +69,8 @@ class HybridOptimizer(optax.GradientTransformationExtraArgs):
       >>> step = jax.jit(tx.step, donate_argnums=(0, 1))
       >>> params, state = step(params, state, {"w": jnp.ones(3)})
     """
-    return self.update.__self__.step(params, state, grads)
+    engine: _Engine = self.update.__self__  # checked when made (__new__)
+    return engine.step(params, state, grads)
 
   def begin_step(self, params: optax.Params, state: Any, by_rows: Any) -> "StepInParts":
     r"""A fused step taken in parts: the leaves marked in ``by_rows`` a few rows at a time, then the others.
@@ -115,7 +116,8 @@ class HybridOptimizer(optax.GradientTransformationExtraArgs):
       >>> bool(jnp.all(new_params["layers"] == expected["layers"]))
       True
     """
-    return self.update.__self__.begin_step(params, state, by_rows)
+    engine: _Engine = self.update.__self__
+    return engine.begin_step(params, state, by_rows)
 
   def close(self) -> None:
     """Closes the disk tier's file, which frees its space. A no-op without disk leaves.
@@ -123,7 +125,8 @@ class HybridOptimizer(optax.GradientTransformationExtraArgs):
     Also done when the process ends. The state's disk leaves cannot be stepped
     afterwards.
     """
-    self.update.__self__.close()
+    engine: _Engine = self.update.__self__
+    engine.close()
 
 
 class StepInParts(NamedTuple):
