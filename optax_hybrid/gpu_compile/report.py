@@ -6,7 +6,7 @@ import dataclasses
 from typing import Any
 
 from optax_hybrid import _compat
-from optax_hybrid.gpu_compile.hlo import count_hlo
+from optax_hybrid.gpu_compile.hlo import HloSummary, count_hlo
 from optax_hybrid.gpu_compile.step_time import HARDWARE, Hardware, StepTime, estimate
 
 __all__ = ["GpuCompileReport", "report_of"]
@@ -16,9 +16,9 @@ __all__ = ["GpuCompileReport", "report_of"]
 _FALLBACK_PATTERNS = ("does device compute in host memory space", "Converting into host compute")
 
 
-@dataclasses.dataclass(frozen=True)
-class GpuCompileReport:
-  """What XLA:GPU compiled for a target, from :func:`compile_for_gpu`.
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class GpuCompileReport(HloSummary):
+  """What XLA:GPU compiled for a target, from :func:`compile_for_gpu`: its HLO's summary and more.
 
   Attributes:
     target: the target name or path.
@@ -34,7 +34,8 @@ class GpuCompileReport:
     host_peak_bytes: the same for host memory.
     kernels, triton_launches, transfers, host_calls, kernel_bytes,
       kernel_ops, transfer_bytes, to_device_bytes, to_host_bytes,
-      collective_bytes: from the optimized HLO, see :func:`count_hlo`.
+      collective_bytes: the optimized HLO's :class:`HloSummary` (its fields,
+      inherited), see :func:`count_hlo`.
     warnings: the host-offloader fallback lines XLA logged ("does device
       compute in host memory space ... Converting into host compute"): each is
       a value in host memory computed on slowly by the host.
@@ -57,21 +58,11 @@ class GpuCompileReport:
   host_output_bytes: int
   host_temp_bytes: int
   host_alias_bytes: int
-  kernels: int
-  triton_launches: int
-  transfers: int
-  host_calls: int
-  kernel_bytes: int
-  kernel_ops: dict
   warnings: tuple[str, ...]
   log: str = dataclasses.field(repr=False)
   hlo: str = dataclasses.field(repr=False)
-  transfer_bytes: int = 0
-  to_device_bytes: int = 0
-  to_host_bytes: int = 0
   parameter_shardings: tuple[str, ...] = ()
   output_shardings: tuple[str, ...] = ()
-  collective_bytes: dict = dataclasses.field(default_factory=dict)
 
   @property
   def device_peak_bytes(self) -> int:
@@ -125,15 +116,12 @@ def report_of(executable: Any, target: str, num_devices: int, log: str) -> GpuCo
   summary = count_hlo(hlo)
   warnings = tuple(line for line in log.splitlines() if any(p in line for p in _FALLBACK_PATTERNS))
   return GpuCompileReport(
+      **{f.name: getattr(summary, f.name) for f in dataclasses.fields(HloSummary)},
       target=target, num_devices=num_devices,
       device_argument_bytes=stats.argument_size_in_bytes, device_output_bytes=stats.output_size_in_bytes,
       device_temp_bytes=stats.temp_size_in_bytes, device_alias_bytes=stats.alias_size_in_bytes,
       host_argument_bytes=stats.host_argument_size_in_bytes, host_output_bytes=stats.host_output_size_in_bytes,
       host_temp_bytes=stats.host_temp_size_in_bytes, host_alias_bytes=stats.host_alias_size_in_bytes,
-      kernels=summary.kernels, triton_launches=summary.triton_launches, transfers=summary.transfers,
-      host_calls=summary.host_calls, kernel_bytes=summary.kernel_bytes, kernel_ops=summary.kernel_ops,
-      transfer_bytes=summary.transfer_bytes, to_device_bytes=summary.to_device_bytes,
-      to_host_bytes=summary.to_host_bytes, collective_bytes=summary.collective_bytes,
       parameter_shardings=_sharding_texts(executable.get_parameter_shardings()),
       output_shardings=_sharding_texts(executable.get_output_shardings()),
       warnings=warnings, log=log, hlo=hlo)
