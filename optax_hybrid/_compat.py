@@ -121,6 +121,31 @@ def is_tracer(x: Any) -> bool:
   return isinstance(x, Tracer)
 
 
+def explicit_sharding(like: Any, lead: int = 0) -> Any:
+  """The sharding to make a buffer for ``like`` (after ``lead`` whole axes) with, where its type names Explicit axes.
+
+  With Explicit mesh axes a value's sharding is part of its type, and a
+  buffer made without one (on no mesh) cannot take slices of values typed on
+  a mesh: ``jnp.zeros(..., out_sharding=...)`` it. None elsewhere (Auto axes,
+  no mesh: the partitioner places a plain buffer).
+  """
+  sharding = typed_sharding(like)
+  explicit = getattr(jax.sharding.AxisType, "Explicit", None)
+  mesh = getattr(sharding, "mesh", None)
+  if mesh is None or mesh.empty or explicit not in tuple(mesh.axis_types):
+    return None
+  return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*([None] * lead), *sharding.spec))
+
+
+def typed_sharding(x: Any) -> Any:
+  """The sharding a traced value's type carries (JAX's sharding in types): a ``NamedSharding`` on an abstract mesh.
+
+  Its mesh is empty where the trace knows of none; its spec names only the
+  mesh's Explicit axes. None where the type carries no sharding.
+  """
+  return getattr(jax.typeof(x), "sharding", None)
+
+
 def move(x: Any, space: Any) -> Any:
   """Moves an array, or every array of a pytree, to a memory space, keeping its sharding; a no-op for one there."""
   return jax.tree.map(lambda a: a if memory_space_of(a) == space else jax.device_put(a, space), x)

@@ -187,6 +187,84 @@ def _planned(state: Any) -> Plan | None:
   return plan
 
 
+def _unplaced(x: Any) -> bool:
+  """A ``ShapeDtypeStruct`` with no devices or no memory kind (as ``jax.eval_shape(tx.init, params)`` makes them)."""
+  sharding = getattr(x, "sharding", None)
+  return isinstance(x, jax.ShapeDtypeStruct) and (
+      sharding is None or sharding.memory_kind is None
+      or isinstance(getattr(sharding, "mesh", None), jax.sharding.AbstractMesh))
+
+
+def _placed_by_plan(state: HybridState, plan: Plan, meshes: dict, where: str) -> HybridState:
+  """``state`` with each array that has no devices or memory kind placed where ``plan`` says ``init`` puts it.
+
+  ``meshes`` maps abstract meshes to the concrete ones of ``like``'s placed
+  arrays: a plan's shardings name a mesh's shape, not its devices. Other
+  arrays (the count) are replicated over the state's mesh, or on the default
+  device.
+
+  Raises:
+    ValueError: for a leaf whose plan does not say how it is split (traced on
+      Auto mesh axes), or whose mesh no placed array of ``like`` is on.
+  """
+  device = jax.devices()[0]
+
+  def on(spec_of, lp, kind):
+    if lp.state_sharding is None:
+      if not lp.on_one_device:
+        raise ValueError(
+            f"checkpoint.restore: {where}'s arrays have no shardings and its plan cannot say how {lp.path} is "
+            "split (jax.eval_shape of params split over a mesh with Auto axes sees no split). Make `like`'s state "
+            "with tx.init(checkpoint.abstract_like(params)), or give its arrays their shardings.")
+      return jax.sharding.SingleDeviceSharding(device, memory_kind=kind)
+    mesh = meshes.get(lp.state_sharding.mesh)
+    if mesh is None:
+      raise ValueError(f"checkpoint.restore: {where}'s arrays have no devices and no placed array of `like` is on "
+                       f"the mesh {lp.state_sharding.mesh} its plan names for {lp.path}; put the params, placed, "
+                       "in `like` too, or give the state's arrays their shardings.")
+    return jax.sharding.NamedSharding(mesh, spec_of(lp.state_sharding), memory_kind=kind)
+
+  fill = lambda x, sharding: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding) if _unplaced(x) else x
+  fields = {}
+  if plan.layout is None:
+    for name, empty in plan.empty.items():
+      tree = getattr(state, name, None)
+      if tree is None:
+        continue
+      entries, treedef = jax.tree.flatten(tree)
+      fields[name] = treedef.unflatten([
+          fill(x, on(lambda s: jax.sharding.PartitionSpec() if i in empty else s.spec, lp, lp.state_kind))
+          for i, (x, lp) in enumerate(zip(entries, plan.leaves))])
+  split = [lp for lp in plan.leaves if lp.state_sharding is not None]
+  others = on(lambda s: jax.sharding.PartitionSpec(), split[0], "device") if split else \
+      jax.sharding.SingleDeviceSharding(device, memory_kind="device")
+  rest = {name: jax.tree.map(lambda x: fill(x, others), getattr(state, name))
+          for name in state._fields if name not in fields and name != "plan"}
+  return state._replace(**fields, **rest)
+
+
+def _with_placements(like: Any) -> Any:
+  """``like`` with its optimizer states' unplaced arrays placed by their plans (:func:`_placed_by_plan`).
+
+  ``jax.eval_shape(tx.init, params)`` describes a state with no memory kinds
+  (and, on a mesh, no devices): restored as described, a host tier's state
+  would land in device memory, and the step would compile for it.
+  """
+  entries, treedef = jax.tree_util.tree_flatten_with_path(like, is_leaf=_is_state)
+  states = {j for j, (_, x) in enumerate(entries) if _is_state(x) and _planned(x) is not None
+            and any(_unplaced(a) for a in jax.tree.leaves(x))}
+  if not states:
+    return like
+  meshes = {}
+  for x in jax.tree.leaves(like):
+    mesh = getattr(getattr(x, "sharding", None), "mesh", None)
+    if isinstance(mesh, jax.sharding.Mesh):
+      meshes.setdefault(mesh.abstract_mesh, mesh)
+  return treedef.unflatten([
+      _placed_by_plan(x, x.plan, meshes, f"like{jax.tree_util.keystr(path)}") if j in states else x
+      for j, (path, x) in enumerate(entries)])
+
+
 def _replace_entries(state: HybridState, field: str, values: dict) -> HybridState:
   """``state`` with the entries ``{leaf index: value}`` of params-shaped ``field`` replaced."""
   leaves, treedef = jax.tree.flatten(getattr(state, field))
@@ -483,8 +561,12 @@ def restore(checkpoint_manager, like: Any, step: int | None = None, *,
   Args:
     checkpoint_manager: from :func:`manager`.
     like: a tree of arrays or ``ShapeDtypeStruct``s (e.g. a freshly initialized
-      state, or ``tx.init`` on abstract params); every restored leaf gets its
-      shape, dtype, sharding and memory kind.
+      state, ``tx.init`` on abstract params, or ``jax.eval_shape(tx.init,
+      params)``); every restored leaf gets its shape, dtype, sharding and
+      memory kind. An optimizer state's arrays that have none (as
+      ``jax.eval_shape`` makes them) are placed where the state's plan says
+      ``init`` puts them: on the mesh of ``like``'s placed arrays (the params)
+      or on the default device.
     step: which checkpoint; ``None`` for the latest complete one.
     masters_from: ``restored tree -> params``, used only for masters the
       checkpoint lacks or keeps in another format: each is built from (or
@@ -505,8 +587,11 @@ def restore(checkpoint_manager, like: Any, step: int | None = None, *,
       ``skip_unreadable`` is combined with a ``step`` or several processes;
       if ``like`` keeps master weights the checkpoint lacks (or keeps in
       another format) and no ``masters_from`` is given, or ``masters_from`` does not return a param
-      of the right shape for one of them; or if ``like`` holds disk-tier
-      moments without the plan that names their files (``nnx.state(optimizer)``).
+      of the right shape for one of them; if ``like`` holds disk-tier
+      moments without the plan that names their files (``nnx.state(optimizer)``);
+      or if an optimizer state of ``like`` has arrays with no devices that its
+      plan cannot place (a split it did not see; a mesh no placed array of
+      ``like`` is on).
     TypeError: if ``masters_from`` is not callable.
 
   Example: turning master weights on mid-run.
@@ -551,7 +636,7 @@ def _restore_step(checkpoint_manager, like: Any, step: int, masters_from: Any) -
     saved = _Saved(checkpoint_manager, step)
   except Exception as e:  # pylint: disable=broad-exception-caught
     raise recovery.unreadable(checkpoint_manager, step, "its metadata", recovery.innermost(e)) from e
-  like = abstract_like(like)
+  like = _with_placements(abstract_like(like))
   entries, treedef = jax.tree_util.tree_flatten_with_path(like, is_leaf=_is_state)
   states = {}
   for j, (key_path, x) in enumerate(entries):

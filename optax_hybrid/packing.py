@@ -147,7 +147,7 @@ def _check_packable(plan: Plan, lp: Any, param: Any) -> None:
   devices = placement.devices_of(param)
   if plan.split != "direct" or not lp.on_one_device or len(devices) != 1:
     raise ValueError(f"{owner}: state_layout='packed' packs the state of one device; {lp.path} is placed on "
-                     f"{len(devices)} devices (or the process has several). Step sharded params {fix}.")
+                     f"{len(devices)} devices (or its placement is unseen: traced on a mesh). Step sharded params {fix}.")
   if devices[0].platform != "cpu":
     raise ValueError(f"{owner}: state_layout='packed' is a CPU layout (its kernel is the native CPU kernel); "
                      f"{lp.path} is on a {devices[0].platform} device. On a GPU {fix}: one Pallas launch "

@@ -12,6 +12,7 @@ runs: the rule's state is a tuple of values, one per field of the plan
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, NamedTuple, Sequence
 
 import jax
@@ -87,6 +88,7 @@ def gather(grads: Any, state: Any, params: Any, plan: Plan, write_params: bool, 
         f"{owner}: the state's placement plan has {len(plan.leaves)} leaves but the gradients "
         f"have {len(grad_leaves)}; pass gradients for the params the state was initialized with.")
   param_leaves = _param_leaves(params, treedef, plan, write_params)
+  _warn_if_moved(plan, grad_leaves)
   if plan.layout is None:
     master_leaves = _master_leaves(state.master, treedef, plan) if plan.master.keeps else [None] * len(grad_leaves)
     leaf_values = lambda i, lp: _leaf_values(lp, i, plan.field_names, entries, owner)
@@ -112,6 +114,24 @@ def gather(grads: Any, state: Any, params: Any, plan: Plan, write_params: bool, 
                       lp.row_axes)
     out.append(LeafIn(g, values, param, master, reads, facts))
   return treedef, out
+
+
+def _warn_if_moved(plan: Plan, grad_leaves: list) -> None:
+  """Warns where the plan was made for one device and the gradients are on several (placed after ``init``).
+
+  The step still computes the same numbers, but what the plan chose for one
+  device (a custom kernel, a layout constraint on the whole leaf) then runs
+  on whole operands, gathered from their shards.
+  """
+  moved = [lp.path for lp, g in zip(plan.leaves, grad_leaves)
+           if lp.on_one_device and placement.sharding_of(g) is not None]
+  if moved:
+    warnings.warn(
+        f"{plan.owner}: the optimizer state was made for params on one device, but the gradients of {moved[0]}"
+        f"{f' and {len(moved) - 1} more leaves' if len(moved) > 1 else ''} are on several devices: the step "
+        "runs what it chose for one device on whole (gathered) operands. Make the state with init of the params "
+        "as they are placed (arrays, or ShapeDtypeStructs with their shardings), or trace init under "
+        "jax.set_mesh(mesh).", stacklevel=4)
 
 
 def _field_entries(state: Any, treedef: Any, plan: Plan) -> list[tuple]:

@@ -111,6 +111,91 @@ def param_memory_kind(param: Any) -> str:
   return DEVICE_KIND
 
 
+class _Unseen:
+  """:data:`UNSEEN`'s type: a singleton, equal to itself only (plans holding it compare and hash alike)."""
+
+  __slots__ = ()
+
+  def __repr__(self) -> str:
+    return "UNSEEN"
+
+  def __reduce__(self):
+    return "UNSEEN"
+
+
+#: :func:`sharding_of` for a value on several devices whose split its type does
+#: not say (traced on a mesh with ``Auto`` axes, or a sharding other than a
+#: ``NamedSharding``): the step may cut nothing that a device does not hold whole.
+UNSEEN = _Unseen()
+
+
+def sharding_of(x: Any) -> Any:
+  """Where a param or state value is placed, as the plan reads it: the one answer to "one device or several?".
+
+  Read from ``x``'s own sharding, never from the process's device count, so
+  the same placed params get the same plan in any process, and ``init`` on
+  arrays, on ``jax.ShapeDtypeStruct`` s and under ``jax.eval_shape`` agree:
+
+  * None: on one device. An array or ``ShapeDtypeStruct`` with a one-device
+    sharding (or none), or a traced value whose type names no mesh of
+    several devices (``jax.eval_shape`` of single-device arrays).
+  * a ``NamedSharding`` on the mesh's abstract form (``mesh.abstract_mesh``:
+    axis names and sizes, no devices; the same object in every process with
+    that mesh shape), its spec one entry per axis of ``x``, no memory kind:
+    on several devices, split as it says. From an array's or a
+    ``ShapeDtypeStruct``'s ``NamedSharding``, or from a traced value's type
+    where every axis of its mesh is ``Explicit`` (the spec is then in the
+    type).
+  * :data:`UNSEEN`: on several devices, split in a way its type does not
+    say (traced on a mesh with ``Auto`` axes: ``jax.eval_shape`` or ``jit``
+    of arrays split over such a mesh; a multi-device sharding that is not a
+    ``NamedSharding``).
+
+  A value traced with no mesh in its type is taken to be on one device, even
+  where a ``jit``'s ``in_shardings`` or ``out_shardings`` will split it: the
+  trace cannot see that (trace under ``jax.set_mesh(mesh)``, or pass placed
+  params, to say it).
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> from optax_hybrid import placement
+    >>> placement.sharding_of(jnp.ones(3)) is None
+    True
+  """
+  if _compat.is_tracer(x):
+    sharding = _compat.typed_sharding(x)
+    mesh = getattr(sharding, "mesh", None)
+    if mesh is None or mesh.size <= 1:
+      return None
+    explicit = getattr(jax.sharding.AxisType, "Explicit", None)
+    if any(t != explicit and n > 1 for t, n in zip(mesh.axis_types, mesh.axis_sizes)):
+      return UNSEEN
+    return _normalized(mesh, sharding.spec, np.ndim(x))
+  sharding = getattr(x, "sharding", None)
+  if sharding is None or len(sharding.device_set) <= 1:
+    return None
+  if not isinstance(sharding, NamedSharding):
+    return UNSEEN
+  return _normalized(sharding.mesh, sharding.spec, np.ndim(x))
+
+
+def _normalized(mesh: Any, spec: Any, ndim: int) -> NamedSharding:
+  """``NamedSharding(mesh's abstract form, spec with one entry per axis)``: equal for equal placements."""
+  entries = tuple(spec)[:ndim]
+  return NamedSharding(getattr(mesh, "abstract_mesh", mesh), PartitionSpec(*entries, *[None] * (ndim - len(entries))))
+
+
+def on_devices(sharding: NamedSharding, like: Any) -> NamedSharding:
+  """``sharding`` (a plan's: on an abstract mesh) on the devices of ``like``'s mesh, to place arrays with.
+
+  ``like`` is a param placed on that mesh (an array or a
+  ``jax.ShapeDtypeStruct``); traced, it has no devices, and the abstract
+  sharding is what a trace places with.
+  """
+  mesh = getattr(getattr(like, "sharding", None), "mesh", None)
+  return sharding if mesh is None else NamedSharding(mesh, sharding.spec, memory_kind=sharding.memory_kind)
+
+
 def devices_of(param: Any) -> Sequence[jax.Device]:
   """The devices a param is placed on (the first default device when unknown, e.g. traced)."""
   sharding = getattr(param, "sharding", None)
@@ -405,15 +490,15 @@ def to_host(x: Any, sharding: Any = None, *, one_device: bool | None = None) -> 
     sharding: its ``NamedSharding`` when it is split over several devices
       (each shard is constrained), else None.
     one_device: without ``sharding``, whether ``x`` is known to be on one
-      device (constrained whole); None: known only in a process of one
-      device. A value whose placement is not known may be sharded in ways
-      the trace cannot see, and it is moved unconstrained (a whole-value
-      constraint would gather it).
+      device (constrained whole); None: as :func:`sharding_of` reads ``x``.
+      A value whose placement is not known may be sharded in ways the trace
+      cannot see, and it is moved unconstrained (a whole-value constraint
+      would gather it).
   """
   if _compat.memory_space_of(x) == HOST:
     return x
   if one_device is None:
-    one_device = jax.device_count() == 1
+    one_device = sharding_of(x) is None
   if sharding is not None or one_device:
     x = _compat.row_major(x, sharding)
   return _compat.move(x, HOST)

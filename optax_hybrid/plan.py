@@ -83,10 +83,14 @@ class LeafPlan:
       ``master`` entry (a float32 copy, a Kahan term in the param's dtype), or
       None when it keeps nothing there (no master, or ``"stochastic"``).
     decay: does the leaf take weight decay (the mask, resolved once)?
-    state_sharding: the multi-device ``NamedSharding`` of the state (device
-      memory kind), else None (one device, or params ``init`` saw traced).
-    gather_to: ZeRO-1: the param's sharding, where the state is split further
-      than the param (the update is gathered back to it); else None.
+    state_sharding: how the state is split over several devices: a
+      ``NamedSharding`` on the mesh's abstract form, no memory kind
+      (:func:`optax_hybrid.placement.sharding_of`), the param's or ZeRO-1's;
+      None on one device, or where the param's split is unseen (traced on a
+      mesh with ``Auto`` axes).
+    gather_to: ZeRO-1: the param's sharding (as ``state_sharding``), where the
+      state is split further than the param (the update is gathered back to
+      it); else None.
     stage: the streaming stage of a ``host_state`` or ``host`` leaf; 0 for
       others.
     slice_rows: for a ``host_state`` leaf larger than a stage (a stacked
@@ -99,8 +103,8 @@ class LeafPlan:
       a kernel that cuts the leaf into slices of rows cuts only along those,
       so that a leaf split over devices stays split
       (:attr:`optax_hybrid.kernels.LeafFacts.row_axes`). None: one device,
-      every axis; 0 where the placement is unknown on several devices
-      (params ``init`` saw traced).
+      every axis; 0 where the param is on several devices split in a way
+      ``init`` could not see (:data:`optax_hybrid.placement.UNSEEN`).
     files: the disk tier's files, made by ``init``: ``(field, disk.DiskMoment)``
       pairs, ``(("mu", ...), ("nu", ...))`` for Adam (with 8-bit storage the codes there
       and the scales under ``"mu_scales"`` and ``"nu_scales"``); the state's fields hold an
@@ -144,7 +148,7 @@ class LeafPlan:
 
   @property
   def on_one_device(self) -> bool:
-    """The leaf is on one device: init saw it placed so (or the process has one device)."""
+    """The leaf is on one device, as init saw it (:func:`optax_hybrid.placement.sharding_of`)."""
     return self.state_sharding is None and self.row_axes is None
 
   def __post_init__(self):
@@ -173,11 +177,11 @@ class Plan:
     kernel: the ``kernel=`` name asked for (chosen per platform at lowering:
       :func:`optax_hybrid.kernels.kernels_for`).
     split: how a custom kernel runs over the device-computed leaves:
-      ``"direct"`` (one device), ``"shard_map"`` (every such leaf's state has
-      a multi-device ``NamedSharding`` on ``mesh``: the kernel runs per shard)
-      or ``"xla"`` (placement unknown or mixed: the XLA rule, which GSPMD
-      partitions itself).
-    mesh: the mesh for ``"shard_map"``, else None.
+      ``"direct"`` (every such leaf on one device), ``"shard_map"`` (every
+      such leaf's state has a multi-device ``NamedSharding`` on ``mesh``: the
+      kernel runs per shard) or ``"xla"`` (a split unseen, or placements
+      mixed: the XLA rule, which GSPMD partitions itself).
+    mesh: the (abstract) mesh for ``"shard_map"``, else None.
     fields: the rule's fields (:class:`optax_hybrid.base.Field`): the arrays
       each leaf keeps (``mu`` and ``nu`` for Adam), in the state's order.
     decay_mode: the rule's decay mode (:data:`optax_hybrid.base.DECOUPLED`,
@@ -285,8 +289,14 @@ def make_plan(params: Any, rule: Any, options: Options) -> Plan:
   """Decides, once, everything about each leaf (see :class:`LeafPlan`) for ``rule`` and ``options``.
 
   ``params`` may be arrays, ``jax.ShapeDtypeStruct`` s or tracers
-  (``jax.eval_shape(tx.init, params)``); a plan made from any of them for the
-  same single-device params is the same plan.
+  (``jax.eval_shape(tx.init, params)``). What depends on where a leaf lives
+  is read from its sharding by :func:`optax_hybrid.placement.sharding_of`
+  alone, never from the process's device count: the same placed params give
+  the same plan in any process, and ``jax.eval_shape(tx.init, params)`` gives
+  ``tx.init(params)``'s plan wherever the trace sees the placement (params on
+  one device; split over a mesh whose axes are ``Explicit``). Params traced
+  on a mesh with ``Auto`` axes have a split the trace cannot see: their plan
+  cuts nothing a device may not hold whole, and runs the XLA rule.
 
   Raises:
     TypeError: for integer or boolean params, or a mask that is not bools.
@@ -307,17 +317,18 @@ def make_plan(params: Any, rule: Any, options: Options) -> Plan:
   master = storage.master_format
   leaves = []
   for (key_path, p), tier, kind, decay in zip(with_paths, tiers, kinds, decays):
-    if tier == tiers_lib.DISK_TIER and len(placement.devices_of(p)) > 1:
+    placed = placement.sharding_of(p)  # None (one device), a NamedSharding, or UNSEEN
+    if tier == tiers_lib.DISK_TIER and placed is not None:
       raise ValueError(
           f"{owner}: the 'disk' tier needs single-device params (its ordered file callbacks "
           "cannot run in a multi-device computation); keep sharded params in 'host' or 'host_state'.")
     zero1 = None
     if where.shard_state_over is not None and tier != tiers_lib.DISK_TIER:
       zero1 = tiers_lib.zero1_sharding(p, where.shard_state_over, owner)
-    state_sharding = tiers_lib.device_sharding_of(p, zero1)
+    # The state is split like the param (ZeRO-1: further); None on one device or where the split is unseen.
+    state_sharding = zero1 or (None if placed is placement.UNSEEN else placed)
     leaf_master = master if master.applies_to(p.dtype) else masters.NO_MASTER
-    row_axes = (None if state_sharding is None and not (_compat.is_tracer(p) and jax.device_count() > 1)
-                else tiers_lib.whole_leading_axes(state_sharding, np.ndim(p)) if state_sharding is not None else 0)
+    row_axes = None if placed is None else tiers_lib.whole_leading_axes(state_sharding or placed, np.ndim(p))
     quantize = storage.quantized and bool(rule.fields) and quantized.quantizable(
         np.shape(p), p.dtype, _last_axis_shards(state_sharding, np.ndim(p)))
     leaves.append(LeafPlan(
@@ -325,13 +336,11 @@ def make_plan(params: Any, rule: Any, options: Options) -> Plan:
         state_kind=kind, dtypes=field_dtypes(p.dtype, rule, storage, key_path, owner),
         master=leaf_master, master_dtype=leaf_master.stored_dtype(p.dtype),
         param_dtype=np.dtype(p.dtype),
-        # One device (a mesh of one): nothing to split, nothing to gather back.
-        decay=decay, state_sharding=state_sharding,
-        gather_to=None if zero1 is None or state_sharding is None else p.sharding,
+        decay=decay, state_sharding=state_sharding, gather_to=None if zero1 is None else placed,
         quantized=quantize, row_axes=row_axes))
   shapes = [np.shape(p) for _, p in with_paths]
   leaves = assign_slices(assign_stages(leaves, shapes, STREAM_STAGE_BYTES), shapes, STREAM_STAGE_BYTES)
-  split, mesh = _split([leaf.state_sharding for leaf in leaves if leaf.runs_on == "device"])
+  split, mesh = _split(leaves)
   # The rule the steps run (its static zeros left out) decides which kernels implement it.
   stepped, kernel = rule.without(static_zeros), options.execution.kernel
   routes = {(where, fused): kernels_for(kernel, fused=fused, runs_on=where, split=split, rule=stepped,
@@ -436,13 +445,17 @@ def assign_slices(leaves: Sequence[LeafPlan], shapes: Sequence[Sequence[int]],
   return out
 
 
-def _split(shardings: Sequence[Any]) -> tuple[str, Any]:
-  """How a single-device custom kernel runs over leaves with these state shardings (see :class:`Plan`)."""
-  if jax.device_count() == 1:
+def _split(leaves: Sequence[LeafPlan]) -> tuple[str, Any]:
+  """How a single-device custom kernel runs over these leaves (see :class:`Plan`), on the device or the host.
+
+  Read from the leaves' placements alone (never the process's device count):
+  the same placed params get the same split in any process.
+  """
+  if all(leaf.on_one_device for leaf in leaves):
     return "direct", None
-  if not shardings or any(s is None for s in shardings):
+  if any(leaf.state_sharding is None for leaf in leaves):  # unseen, or mixed with one-device leaves
     return "xla", None
-  meshes = {s.mesh for s in shardings}
+  meshes = {leaf.state_sharding.mesh for leaf in leaves}
   return ("shard_map", meshes.pop()) if len(meshes) == 1 else ("xla", None)
 
 

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from optax_hybrid import _compat, user_fns
+from optax_hybrid import _compat, placement, user_fns
 from optax_hybrid._compat import DEVICE, HOST
 
 __all__ = ["scan_layers", "step_in_backward"]
@@ -120,14 +120,14 @@ def _length(tree: Any, name: str, owner: str = "scan_layers") -> int:
 # (a slice of a host array, copied to the device, is one transfer for XLA);
 # reshapes happen on the device side.
 
-def _may_be_split() -> bool:
-  """Can a traced stack be split over a mesh? In a process of several devices, yes: the trace cannot see it.
+def _may_be_split(tree: Any) -> bool:
+  """Can the traced stack ``tree`` be split over a mesh? Yes where an array's type says it is on several devices.
 
   What XLA's partitioner cannot split (a layout constraint, ``lax.empty``,
   both custom calls) it gives a whole operand on every device, so the
-  loops leave them out there.
+  loops leave them out there (:func:`optax_hybrid.placement.sharding_of`).
   """
-  return jax.device_count() > 1
+  return any(placement.sharding_of(a) is not None for a in jax.tree.leaves(tree))
 
 
 def _slice(tree: Any, i: Any) -> Any:
@@ -136,13 +136,13 @@ def _slice(tree: Any, i: Any) -> Any:
   Row-major, so that a layer's use of it (a matmul reading it transposed)
   never makes layout assignment transpose the whole stack instead (measured on
   the H200 target: a second copy of the saved carries, 2 carries per layer).
-  Not in a process of several devices: there the stack may be split over a
-  mesh the trace cannot see, and XLA's partitioner gives a layout constraint
+  Not for a stack on several devices (:func:`_may_be_split`): it may be split
+  over a mesh in ways the trace cannot see, and XLA's partitioner gives a layout constraint
   (a custom call) a whole operand: each GPU gathered each layer once more
   per pass and sliced its share back (an H200 node, width 512: 5.2 layers
   gathered per layer against 2.0 without it).
   """
-  constrain = (lambda x: x) if _may_be_split() else _compat.row_major
+  constrain = (lambda x: x) if _may_be_split(tree) else _compat.row_major
   return jax.tree.map(lambda a: constrain(_compat.move(lax.dynamic_slice_in_dim(a, i, 1), DEVICE)[0]), tree)
 
 
@@ -155,19 +155,24 @@ def _put(buffer: Any, values: Any, i: Any) -> Any:
 def _buffer_like_stack(tree: Any) -> Any:
   """A buffer shaped like each array of ``tree``, in that array's memory; every slice is written.
 
-  In a process of one device, uninitialized (``lax.empty``: XLA:GPU
+  For a stack on one device, uninitialized (``lax.empty``: XLA:GPU
   allocates it where it lives): zeros for a host buffer are made on the
-  device and copied over the bus each step. In a process of several devices
-  the stack may be split over a mesh the trace cannot see, and
+  device and copied over the bus each step. For a stack on several devices
+  (:func:`_may_be_split`) it may be split in ways the trace cannot see, and
   ``lax.empty`` (a custom call XLA's partitioner cannot split) kept a whole
   gradient on every device (measured on an H200 node, width 512: 0.35 MB per
   layer per GPU more device memory and 0.37 MB more over the bus than
   zeros, which the partitioner splits like the gradient slices written
   into them).
   """
-  if not _may_be_split():
-    return jax.tree.map(lambda a: _compat.move(lax.empty(a.shape, a.dtype), _compat.memory_space_of(a)), tree)
-  return jax.tree.map(lambda a: _compat.move(jnp.zeros(a.shape, a.dtype), _compat.memory_space_of(a)), tree)
+  def buffer(a):
+    typed = _compat.explicit_sharding(a)  # on Explicit mesh axes, zeros of the stack's type
+    if typed is None and not split:
+      return _compat.move(lax.empty(a.shape, a.dtype), _compat.memory_space_of(a))
+    return _compat.move(jnp.zeros(a.shape, a.dtype, out_sharding=typed), _compat.memory_space_of(a))
+
+  split = _may_be_split(tree)
+  return jax.tree.map(buffer, tree)
 
 
 def _saved_buffer(carry: Any, length: int, offload: bool) -> Any:
@@ -182,10 +187,13 @@ def _saved_buffer(carry: Any, length: int, offload: bool) -> Any:
   In host memory, uninitialized: zeros would be made on the device and
   copied, a device temporary as large as the stack.
   """
-  if offload:
-    return jax.tree.map(lambda c: _compat.move(_compat.row_major(lax.empty((length,) + np.shape(c), c.dtype)), HOST),
-                        carry)
-  return jax.tree.map(lambda c: jnp.zeros((length,) + np.shape(c), c.dtype), carry)
+  def buffer(c):
+    shape, typed = (length,) + np.shape(c), _compat.explicit_sharding(c, lead=1)  # on Explicit mesh axes, typed
+    if offload and typed is None:
+      return _compat.move(_compat.row_major(lax.empty(shape, c.dtype)), HOST)
+    return _compat.move(jnp.zeros(shape, c.dtype, out_sharding=typed), HOST if offload else DEVICE)
+
+  return jax.tree.map(buffer, carry)
 
 
 def _inexact(leaves: list) -> list[int]:

@@ -175,19 +175,23 @@ def zero1_sharding(param: Any, axis: str, owner: str = "optax_hybrid") -> Any:
   The first dimension that the param's spec leaves unsharded and whose size
   the axis divides is split over ``axis``; a leaf with no such dimension (a
   scalar, odd sizes) or already split over ``axis`` keeps the param's sharding
-  (None is returned).
+  (None is returned). The result is on the mesh's abstract form, as the plan
+  keeps shardings (:func:`optax_hybrid.placement.sharding_of`).
 
   Raises:
-    ValueError: if the param is not placed with a ``NamedSharding`` on a mesh
-      that has ``axis``.
+    ValueError: if the param's placement is not a known ``NamedSharding`` on
+      a mesh that has ``axis`` (arrays or ``ShapeDtypeStruct`` s placed so, or
+      traced on a mesh whose axes are all ``Explicit``).
   """
-  sharding = getattr(param, "sharding", None)
+  sharding = placement.sharding_of(param)
   mesh = getattr(sharding, "mesh", None)
   if not isinstance(sharding, jax.sharding.NamedSharding) or axis not in mesh.axis_names:
     raise ValueError(
         f"{owner}: `shard_state_over`={axis!r} needs params placed with a NamedSharding on a mesh "
-        f"that has that axis; got a param with sharding {sharding}.")
-  spec = list(sharding.spec) + [None] * (len(np.shape(param)) - len(sharding.spec))
+        f"that has that axis; got a param with sharding {getattr(param, 'sharding', None) or sharding}"
+        + (" (traced: its type does not say how it is split; pass the placed params, or "
+           "ShapeDtypeStructs with their shardings, to init)" if _compat.is_tracer(param) else "") + ".")
+  spec = list(sharding.spec)
   used = {a for entry in spec if entry is not None for a in (entry if isinstance(entry, tuple) else (entry,))}
   if axis in used:
     return None
@@ -199,24 +203,17 @@ def zero1_sharding(param: Any, axis: str, owner: str = "optax_hybrid") -> Any:
   return None
 
 
-def device_sharding_of(x: Any, override: Any = None) -> Any:
-  """The multi-device ``NamedSharding`` ``x``'s state gets, in device memory; else None."""
-  sharding = override if override is not None else getattr(x, "sharding", None)
-  if _compat.is_tracer(x) and override is None:
-    return None
-  if isinstance(sharding, jax.sharding.NamedSharding) and len(sharding.device_set) > 1:
-    return jax.sharding.NamedSharding(sharding.mesh, sharding.spec)
-  return None
-
-
 def whole_leading_axes(sharding: Any, ndim: int) -> int:
   """How many leading axes of a leaf placed with ``sharding`` every device holds whole (none split over the mesh).
 
-  ``sharding`` is a multi-device ``NamedSharding`` (:func:`device_sharding_of`);
-  for None (one device) every axis is whole: ``ndim``.
+  ``sharding`` is :func:`optax_hybrid.placement.sharding_of`'s answer: for
+  None (one device) every axis is whole (``ndim``); for
+  :data:`~optax_hybrid.placement.UNSEEN` none is known to be (0).
   """
   if sharding is None:
     return ndim
+  if sharding is placement.UNSEEN:
+    return 0
   spec = tuple(sharding.spec)
   split = [d for d, entry in enumerate(spec[:ndim])
            if entry is not None and np.prod([sharding.mesh.shape[a] for a in

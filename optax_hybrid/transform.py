@@ -274,7 +274,8 @@ def _leaf_state(param: Any, lp: LeafPlan, plan: Plan, initial: tuple, with_maste
   """
   abstract = isinstance(param, jax.ShapeDtypeStruct)
   # ZeRO-1 splits the state further than the param: place it with its own sharding.
-  split = None if lp.gather_to is None else lp.state_sharding.with_memory_kind(lp.state_kind)
+  split = None if lp.gather_to is None else placement.on_devices(lp.state_sharding, param).with_memory_kind(
+      lp.state_kind)
   shape = np.shape(param)
 
   def placed(dtype, fill=None, shape=shape):
