@@ -184,6 +184,9 @@ def zero1_sharding(param: Any, axis: str, owner: str = "optax_hybrid") -> Any:
       traced on a mesh whose axes are all ``Explicit``).
   """
   sharding = placement.sharding_of(param)
+  own = _compat.typed_sharding(param) if _compat.is_tracer(param) else getattr(param, "sharding", None)
+  if sharding is None and axis in getattr(getattr(own, "mesh", None), "axis_names", ()):
+    return None  # a mesh of one device: nothing to split
   mesh = getattr(sharding, "mesh", None)
   if not isinstance(sharding, jax.sharding.NamedSharding) or axis not in mesh.axis_names:
     raise ValueError(
