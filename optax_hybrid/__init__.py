@@ -54,7 +54,7 @@ Public API:
 
 import warnings as _warnings
 
-from optax_hybrid import base, checkpoint, disk, flat_params, masters, options, plan, recipe, report, rules, tiers
+from optax_hybrid import base, checkpoint, disk, flat_params, masters, options, plan, recipe, report, rules, stacks, tiers
 from optax_hybrid.flat_params import FlatParams, flatten_params
 from optax_hybrid.placement import (
     STATE_MEMORY_KINDS,
@@ -66,6 +66,7 @@ from optax_hybrid.placed import clip_by_global_norm, global_norm
 from optax_hybrid.recipe import last_learning_rate, standard_optimizer
 from optax_hybrid.report import MemoryReport, memory_report
 from optax_hybrid.schedules import warmup_cosine_schedule
+from optax_hybrid.stacks import SplitStack, join_stack, split_stack
 from optax_hybrid.streaming import scan_layers, step_in_backward
 from optax_hybrid.rules.adagrad import HybridAdagradState, hybrid_adagrad
 from optax_hybrid.rules.adamw import HybridAdamState, hybrid_adamw, scale_by_hybrid_adam
@@ -86,6 +87,7 @@ __all__ = [
     "HybridSgdState",
     "MemoryReport",
     "STATE_MEMORY_KINDS",
+    "SplitStack",
     "StepInParts",
     "apply_updates",
     "checkpoint",
@@ -104,6 +106,7 @@ __all__ = [
     "recipe",
     "report",
     "rules",
+    "stacks",
     "standard_optimizer",
     "tiers",
     "available_memory_kinds",
@@ -113,8 +116,10 @@ __all__ = [
     "hybrid_adamw",
     "hybrid_lion",
     "hybrid_sgd",
+    "join_stack",
     "scale_by_hybrid_adam",
     "scan_layers",
+    "split_stack",
     "step_in_backward",
     "warmup_cosine_schedule",
 ]

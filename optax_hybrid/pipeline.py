@@ -106,7 +106,9 @@ def gather(grads: Any, state: Any, params: Any, plan: Plan, write_params: bool, 
     if plan.layout is None:  # typed with the state's space (files stay files; packed slices are on the device)
       values, kept = _compat.move((values, kept), lp.state_space)
     # What the master format keeps, or a random format's seed.
-    master = lp.master.operand(kept, state.count, masters.salt_of(lp.path)) if lp.master.active else None
+    master = lp.master.operand(kept, state.count, lp.salt) if lp.master.active else None
+    if lp.draw_offset and lp.master.random:  # a part of a split stack draws the whole stack's bits
+      master = masters.seed_at(master, lp.draw_offset)
     param = _compat.move(p, lp.param_space)
     writes = write_params or lp.master.active  # the first result is the new param
     reads = lp.master.reads_param if lp.master.active else (lp.decay or write_params)

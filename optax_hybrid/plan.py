@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from optax_hybrid import _compat, masters, placement, tiers as tiers_lib
+from optax_hybrid import masters, placement, stacks, tiers as tiers_lib
 from optax_hybrid.kernels import kernels_for, quantized
 from optax_hybrid.options import Options
 
@@ -105,6 +105,10 @@ class LeafPlan:
       (:attr:`optax_hybrid.kernels.LeafFacts.row_axes`). None: one device,
       every axis; 0 where the param is on several devices split in a way
       ``init`` could not see (:data:`optax_hybrid.placement.UNSEEN`).
+    draws_as: for a leaf of a :class:`~optax_hybrid.stacks.SplitStack`'s
+      part, ``(the leaf's path in the whole stack, the flat index of its
+      first element there)``: a random master format draws the bits the
+      whole stack's leaf draws at those elements; ``()`` for others.
     files: the disk tier's files, made by ``init``: ``(field, disk.DiskMoment)``
       pairs, ``(("mu", ...), ("nu", ...))`` for Adam (with 8-bit storage the codes there
       and the scales under ``"mu_scales"`` and ``"nu_scales"``); the state's fields hold an
@@ -119,6 +123,9 @@ class LeafPlan:
       master format)``.
     state_space, param_space: the memory spaces (:data:`optax_hybrid._compat.DEVICE`
       or ``HOST``) that the step types the state and the param with.
+    salt, draw_offset: what a random master format seeds the leaf's bits
+      with (:func:`optax_hybrid.masters.salt_of` of its path, or of
+      ``draws_as``' path) and where its first element's bits are drawn.
   """
 
   path: str
@@ -136,6 +143,7 @@ class LeafPlan:
   slice_rows: int = 0
   quantized: bool = False
   row_axes: int | None = None
+  draws_as: tuple = ()
   files: tuple = ()
 
   # Derived once from the tier (see __post_init__), read by every step.
@@ -145,6 +153,8 @@ class LeafPlan:
   group: tuple = dataclasses.field(init=False)
   state_space: Any = dataclasses.field(init=False)
   param_space: Any = dataclasses.field(init=False)
+  salt: int = dataclasses.field(init=False)
+  draw_offset: int = dataclasses.field(init=False)
 
   @property
   def on_one_device(self) -> bool:
@@ -160,6 +170,8 @@ class LeafPlan:
         "on_disk": self.tier == tiers_lib.DISK_TIER,
         # Its data crosses the bus each step, in stages.
         "streamed": self.tier in (tiers_lib.HOST_STATE_TIER, tiers_lib.HOST_TIER),
+        "salt": masters.salt_of(self.draws_as[0] if self.draws_as else self.path),
+        "draw_offset": self.draws_as[1] if self.draws_as else 0,
     }
     # The leaves that run together: same place, same stage, same master format (or none).
     derived["group"] = (derived["runs_on"], self.stage, self.master)
@@ -315,8 +327,13 @@ def make_plan(params: Any, rule: Any, options: Options) -> Plan:
   decays = ([False] * len(with_paths) if rule.decay is None or "weight_decay" in static_zeros
             else mask_leaves(options.mask, params, jax.tree.structure(params), owner))
   master = storage.master_format
+  in_stacks = stacks.stack_rows(params)  # the leaves of split stacks' parts: their rows in the whole stack
   leaves = []
   for (key_path, p), tier, kind, decay in zip(with_paths, tiers, kinds, decays):
+    path = jax.tree_util.keystr(key_path) or "<root>"
+    whole_path, first_row, rows = in_stacks.get(path, (None, 0, None))
+    # A split stack's part is stored as its rows of the whole stack are (8-bit or not, by the whole's size).
+    stored_shape = np.shape(p) if rows is None else (rows, *np.shape(p)[1:])
     placed = placement.sharding_of(p)  # None (one device), a NamedSharding, or UNSEEN
     if tier == tiers_lib.DISK_TIER and placed is not None:
       raise ValueError(
@@ -330,14 +347,15 @@ def make_plan(params: Any, rule: Any, options: Options) -> Plan:
     leaf_master = master if master.applies_to(p.dtype) else masters.NO_MASTER
     row_axes = None if placed is None else tiers_lib.whole_leading_axes(state_sharding or placed, np.ndim(p))
     quantize = storage.quantized and bool(rule.fields) and quantized.quantizable(
-        np.shape(p), p.dtype, _last_axis_shards(state_sharding, np.ndim(p)))
+        stored_shape, p.dtype, _last_axis_shards(state_sharding, np.ndim(p)))
     leaves.append(LeafPlan(
-        path=jax.tree_util.keystr(key_path) or "<root>", tier=tier, param_kind=placement.param_memory_kind(p),
+        path=path, tier=tier, param_kind=placement.param_memory_kind(p),
         state_kind=kind, dtypes=field_dtypes(p.dtype, rule, storage, key_path, owner),
         master=leaf_master, master_dtype=leaf_master.stored_dtype(p.dtype),
         param_dtype=np.dtype(p.dtype),
         decay=decay, state_sharding=state_sharding, gather_to=None if zero1 is None else placed,
-        quantized=quantize, row_axes=row_axes))
+        quantized=quantize, row_axes=row_axes,
+        draws_as=() if whole_path is None else (whole_path, first_row * int(np.prod(np.shape(p)[1:])))))
   shapes = [np.shape(p) for _, p in with_paths]
   leaves = assign_slices(assign_stages(leaves, shapes, STREAM_STAGE_BYTES), shapes, STREAM_STAGE_BYTES)
   split, mesh = _split(leaves)

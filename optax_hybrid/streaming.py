@@ -18,14 +18,14 @@ carries (which can go to host memory too: ``offload_carries``).
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Mapping, NamedTuple
+from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from optax_hybrid import _compat, placement, user_fns
+from optax_hybrid import _compat, placement, stacks, user_fns
 from optax_hybrid._compat import DEVICE, HOST
 
 __all__ = ["scan_layers", "step_in_backward"]
@@ -94,20 +94,61 @@ def scan_layers(layer_fn: Callable[..., Any], carry: Any, layers: Any, xs: Any =
     >>> g["w"].shape
     (3, 4, 4)
   """
-  length = _length(layers, "layers")
+  parts, lengths, _ = _parts(layers, "scan_layers")
+  length = sum(lengths)
   if xs is not None and _length(xs, "xs") != length:
     raise ValueError(f"scan_layers: `xs` must be stacked like `layers` (leading length {length}); "
                      f"got {_length(xs, 'xs')}.")
   one = lambda tree: jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), tree)
-  example = (carry, one(layers)) if xs is None else (carry, one(layers), one(xs))
+  example = (carry, one(parts[0])) if xs is None else (carry, one(parts[0]), one(xs))
   checked = user_fns.returning_the_carry("scan_layers", "layer_fn", layer_fn, carry)
   closed, consts = jax.closure_convert(lambda *inputs: checked(*inputs, *args), *example)
   step = (lambda c, p, x, k: closed(c, p, *k)) if xs is None else (lambda c, p, x, k: closed(c, p, x, *k))
-  return _streamed(step, length, offload_carries)(carry, layers, xs, tuple(consts))
+  run = _streamed(step, lengths, offload_carries)
+  if not isinstance(layers, stacks.SplitStack):
+    return run(carry, (layers,), (xs,), tuple(consts))
+  return run(carry, parts, _rows_per_part(xs, lengths), tuple(consts))
 
 
-def _length(tree: Any, name: str, owner: str = "scan_layers") -> int:
+class _Parts(NamedTuple):
+  """The one or two stacks that stacked layers hold, run one after the other as one stack.
+
+  A stack in one memory is one part (``names`` ``(None,)``); a
+  :class:`~optax_hybrid.stacks.SplitStack` is its ``resident`` and
+  ``streamed`` parts, an empty one left out.
+  """
+
+  stacks: tuple
+  lengths: tuple
+  names: tuple
+
+
+def _parts(layers: Any, owner: str) -> _Parts:
+  if not isinstance(layers, stacks.SplitStack):
+    return _Parts((layers,), (_length(layers, "layers", owner),), (None,))
+  parts = [(name, getattr(layers, name)) for name in ("resident", "streamed")]
+  if jax.tree.structure(parts[0][1]) != jax.tree.structure(parts[1][1]):
+    raise ValueError(f"{owner}: a SplitStack's `resident` and `streamed` parts must hold the same arrays (one "
+                     "tree structure); make it with optax_hybrid.split_stack.")
+  kept = [(name, part, _length(part, "layers", owner, empty=True)) for name, part in parts]
+  kept = [k for k in kept if k[2]]
+  if not kept:
+    raise ValueError(f"{owner}: the SplitStack `layers` holds no layers; pass at least one.")
+  return _Parts(*map(tuple, zip(*[(part, n, name) for name, part, n in kept])))
+
+
+def _rows_per_part(tree: Any, lengths: Sequence[int]) -> tuple:
+  """``tree`` (stacked on axis 0, or None) cut into consecutive rows of ``lengths``."""
+  if tree is None:
+    return (None,) * len(lengths)
+  starts = np.cumsum([0, *lengths])
+  return tuple(jax.tree.map(lambda a, a0=a0, n=n: a[a0:a0 + n], tree) for a0, n in zip(starts, lengths))
+
+
+def _length(tree: Any, name: str, owner: str = "scan_layers", empty: bool = False) -> int:
   lengths = {np.shape(a)[0] if np.ndim(a) else None for a in jax.tree.leaves(tree)}
+  if not lengths and empty:
+    return 0
   if not lengths:
     raise ValueError(f"{owner}: `{name}` has no arrays; pass the layers' params stacked on axis 0.")
   if len(lengths) != 1 or None in lengths:
@@ -226,7 +267,8 @@ def _forward_loop(step: Callable, length: int, carry: Any, layers: Any, xs: Any,
 
 
 def _backward_loop(step: Callable, length: int, saved: Any, xs: Any, consts: Any, g: Any, stack_of: Callable,
-                   use_gradient: Callable, sink: Any, x_diff: list[int] | None, k_diff: list[int]) -> tuple:
+                   use_gradient: Callable, sink: Any, x_diff: list[int] | None, k_diff: list[int],
+                   g_consts: list | None = None) -> tuple:
   """Goes back through the layers from the last: each layer's VJP from its saved carry, its gradient to ``use_gradient``.
 
   Trip ``i`` fetches layer ``i - 1`` from ``stack_of(sink)`` beside layer
@@ -237,7 +279,9 @@ def _backward_loop(step: Callable, length: int, saved: Any, xs: Any, consts: Any
   whose gradients are kept, per layer (None: ``xs`` is not differentiated);
   ``k_diff``: the leaves of ``consts`` whose gradients are summed. Returns the
   carry's cotangent at the first layer's input, the sink, the gradients of
-  ``xs``' leaves ``x_diff`` (stacked) and of ``consts``' leaves ``k_diff``.
+  ``xs``' leaves ``x_diff`` (stacked) and of ``consts``' leaves ``k_diff``
+  (added to ``g_consts`` when given: the sums of the layers after these, so
+  that a stack in two parts adds in the order one stack does).
   """
   x_leaves, k_leaves = jax.tree.leaves(xs), jax.tree.leaves(consts)
 
@@ -258,35 +302,50 @@ def _backward_loop(step: Callable, length: int, saved: Any, xs: Any, consts: Any
     g_consts = [acc + g_k[j] for acc, j in zip(g_consts, k_diff)]
     return g, preceding, use_gradient(sink, g_p, p, i), g_xs, g_consts
 
+  if g_consts is None:
+    g_consts = [jnp.zeros_like(k_leaves[j]) for j in k_diff]
   start = (g, _slice(stack_of(sink), length - 1), sink, [jnp.zeros_like(x_leaves[j]) for j in x_diff or ()],
-           [jnp.zeros_like(k_leaves[j]) for j in k_diff])
+           list(g_consts))
   g, _, sink, g_xs, g_consts = lax.fori_loop(0, length, body, start)
   return g, sink, g_xs, g_consts
 
 
-def _streamed(step: Callable, length: int, offload: bool) -> Callable:
-  """The custom-VJP scan of ``step(carry, layer, x, consts)`` over ``length`` layers."""
+def _streamed(step: Callable, lengths: tuple[int, ...], offload: bool) -> Callable:
+  """The custom-VJP scan of ``step(carry, layer, x, consts)`` over consecutive stacks of ``lengths`` layers.
 
-  forward_loop = functools.partial(_forward_loop, step, length)
+  ``run(carry, parts, xs_parts, consts)``: one stack per part (a stack in
+  one memory, or a split stack's two), run as one stack: forward part after
+  part, backward from the last, the gradients of ``consts`` summed across
+  parts in the order one stack sums them.
+  """
 
   @jax.custom_vjp
-  def run(carry, layers, xs, consts):
-    return forward_loop(carry, layers, xs, consts, None)[0]
+  def run(carry, parts, xs_parts, consts):
+    for n, part, xs in zip(lengths, parts, xs_parts):
+      carry = _forward_loop(step, n, carry, part, xs, consts, None)[0]
+    return carry
 
-  def run_forward(carry, layers, xs, consts):
-    carry, saved = forward_loop(carry, layers, xs, consts, _saved_buffer(carry, length, offload))
-    return carry, (saved, layers, xs, consts)
+  def run_forward(carry, parts, xs_parts, consts):
+    saved = []
+    for n, part, xs in zip(lengths, parts, xs_parts):
+      carry, kept = _forward_loop(step, n, carry, part, xs, consts, _saved_buffer(carry, n, offload))
+      saved.append(kept)
+    return carry, (tuple(saved), parts, xs_parts, consts)
 
   def run_backward(residuals, g_carry):
-    saved, layers, xs, consts = residuals
-    x_leaves, x_def = jax.tree.flatten(xs)
+    saved, parts, xs_parts, consts = residuals
     k_leaves, k_def = jax.tree.flatten(consts)
-    x_diff, k_diff = _inexact(x_leaves), _inexact(k_leaves)
+    k_diff = _inexact(k_leaves)
     write = lambda g_layers, g_p, p, i: _put(g_layers, g_p, i)
-    g, g_layers, g_xs, g_consts = _backward_loop(step, length, saved, xs, consts, g_carry, lambda _: layers, write,
-                                                 _buffer_like_stack(layers), x_diff, k_diff)
-    return (g, g_layers, None if xs is None else _cotangents(x_leaves, x_def, g_xs, x_diff),
-            _cotangents(k_leaves, k_def, g_consts, k_diff))
+    g, g_consts, g_parts, g_xs_parts = g_carry, None, [None] * len(parts), [None] * len(parts)
+    for j in reversed(range(len(parts))):
+      x_leaves, x_def = jax.tree.flatten(xs_parts[j])
+      x_diff = _inexact(x_leaves)
+      g, g_parts[j], g_xs, g_consts = _backward_loop(
+          step, lengths[j], saved[j], xs_parts[j], consts, g, lambda _, j=j: parts[j], write,
+          _buffer_like_stack(parts[j]), x_diff, k_diff, g_consts)
+      g_xs_parts[j] = None if xs_parts[j] is None else _cotangents(x_leaves, x_def, g_xs, x_diff)
+    return g, tuple(g_parts), tuple(g_xs_parts), _cotangents(k_leaves, k_def, g_consts, k_diff)
 
   run.defvjp(run_forward, run_backward)
   return run
@@ -387,30 +446,35 @@ def step_in_backward(tx: Any, embed_fn: Callable[[Any, Any], Any], layer_fn: Cal
 
   def train_step(params, opt_state, batch):
     stack, rest = _split_layers(params, opt_state, layers)
-    length = _length(stack, "layers", owner)
+    parts = _parts(stack, owner)
+    length = sum(parts.lengths)
     per_layer = None if xs is None else xs(rest, batch)
     if per_layer is not None and _length(per_layer, "xs", owner) != length:
       raise ValueError(f"{owner}: `xs` must return per-layer inputs stacked like the layers (leading length "
                        f"{length}); got {_length(per_layer, 'xs', owner)}.")
+    per_part = _rows_per_part(per_layer, parts.lengths)
     carry, embed_vjp = jax.vjp(lambda r: embed_fn(r, batch), rest)
     user_fns.check_carry(owner, "embed_fn", carry)
-    layer = _layer_of_step(layer_fn, params, rest, batch, carry, stack, per_layer)
-    carry, saved = _forward_loop(layer.run, length, carry, stack, per_layer, layer.shared,
-                                 _saved_buffer(carry, length, offload_carries))
+    layer = _layer_of_step(layer_fn, params, rest, batch, carry, parts.stacks[0], per_layer)
+    saved = []
+    for n, part, x in zip(parts.lengths, parts.stacks, per_part):
+      carry, kept = _forward_loop(layer.run, n, carry, part, x, layer.shared,
+                                  _saved_buffer(carry, n, offload_carries))
+      saved.append(kept)
     loss, head_vjp = jax.vjp(lambda r, c: head_fn(r, c, batch), rest, carry)
     user_fns.check_loss(owner, "head_fn", loss)
     _check_closures(params, rest, batch, carry, embed_fn, head_fn)
     g_rest, g = head_vjp(jnp.ones_like(loss))
     stacked = {id(x) for x in jax.tree.leaves(stack)}
-    parts = tx.begin_step(params, opt_state, jax.tree.map(lambda x: id(x) in stacked, params))
-    g, buffers, g_shared = _backward_stepping(parts, layer, length, layers, saved, per_layer, g)
+    steps = tx.begin_step(params, opt_state, jax.tree.map(lambda x: id(x) in stacked, params))
+    g, buffers, g_shared = _backward_stepping(steps, layer, parts, params, stack, layers, saved, per_part, g)
     # The rest's gradients in the order of the backward pass (as jax.grad adds them): the head's, the layers'
     # (a weight they share: summed over them), the embedding's.
     g_rest = jax.tree.leaves(g_rest)
     for j, g_layers in zip(layer.reads, g_shared):
       g_rest[j] = g_rest[j] + g_layers
     g_rest = [a + b for a, b in zip(g_rest, jax.tree.leaves(embed_vjp(g)[0]))]
-    new_params, new_state = parts.finish(buffers, _grads_like(params, stacked, rest, g_rest))
+    new_params, new_state = steps.finish(buffers, _grads_like(params, stacked, rest, g_rest))
     return (loss, new_params, new_state) if old_convention else (new_params, new_state, loss)
 
   return train_step
@@ -492,19 +556,34 @@ def _check_closures(params: Any, rest: Any, batch: Any, carry: Any, embed_fn: Ca
                                        params, fix)
 
 
-def _backward_stepping(parts: Any, layer: _StepLayer, length: int, layers: str, saved: Any, per_layer: Any,
-                       g: Any) -> tuple[Any, Any, list]:
+def _backward_stepping(steps: Any, layer: _StepLayer, parts: _Parts, params: Any, stack: Any, layers: str,
+                       saved: list, per_part: tuple, g: Any) -> tuple[Any, Any, list]:
   """The backward loop of :func:`step_in_backward`: each layer's VJP, then its rows stepped at once.
 
-  Returns the carry's cotangent at the first layer's input, the stepped
-  buffers and the gradients of ``layer.shared`` (summed over the layers).
+  Goes through the parts from the last (a split stack's streamed layers,
+  then its resident ones), stepping each part's leaves only. Returns the
+  carry's cotangent at the first layer's input, the stepped buffers and the
+  gradients of ``layer.shared`` (summed over the layers).
   """
-  rows = lambda tree: jax.tree.map(lambda a: a[None], tree)
-  # The layer's params are on the device already (its VJP read them): the step reads them, not the host.
-  step = lambda buffers, g_p, p, i: parts.step_rows(buffers, rows(g_p), i, rows(p))
-  g, buffers, _, g_shared = _backward_loop(layer.run, length, saved, per_layer, layer.shared, g,
-                                           lambda buffers: parts.current(buffers)[layers], step, parts.buffers,
-                                           None, list(range(len(layer.shared))))
+  leaves, treedef = jax.tree.flatten(params)
+  buffers, g_shared = steps.buffers, None
+  for j in reversed(range(len(parts.lengths))):
+    name = parts.names[j]
+    of_part = (lambda tree: tree) if name is None else (lambda tree, name=name: getattr(tree, name))
+    if name is None:
+      rows = lambda tree: jax.tree.map(lambda a: a[None], tree)
+    else:  # a tree like the params: this part's rows, None elsewhere (the other part is not stepped now)
+      position = {id(x): k for k, x in enumerate(jax.tree.leaves(of_part(stack)))}
+
+      def rows(tree, position=position):
+        flat = jax.tree.leaves(tree)
+        return treedef.unflatten([flat[position[id(x)]][None] if id(x) in position else None for x in leaves])
+    # The layer's params are on the device already (its VJP read them): the step reads them, not the host.
+    step = lambda buffers, g_p, p, i, rows=rows: steps.step_rows(buffers, rows(g_p), i, rows(p))
+    g, buffers, _, g_shared = _backward_loop(
+        layer.run, parts.lengths[j], saved[j], per_part[j], layer.shared, g,
+        lambda buffers, of_part=of_part: of_part(steps.current(buffers)[layers]), step, buffers, None,
+        list(range(len(layer.shared))), g_shared)
   return g, buffers, g_shared
 
 

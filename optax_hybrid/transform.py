@@ -144,7 +144,8 @@ class StepInParts(NamedTuple):
       traced). ``grads`` is a pytree whose leaves are ``n`` rows of each
       marked leaf's gradient in the params' leaf order: one layer's gradient
       tree with a leading axis of ``n``, or a tree like the params with None
-      at the other leaves. ``params``, if given, holds those rows of the
+      at the other leaves (and at marked leaves not stepped by this call:
+      one part of a :class:`~optax_hybrid.stacks.SplitStack`). ``params``, if given, holds those rows of the
       params as they are in ``buffers`` (a tree like ``grads``), already on
       the device (the layer a backward pass brought in): the step reads them
       instead of fetching the rows again.
@@ -470,9 +471,10 @@ class _Engine:
 
     def step_rows(buffers, grads, start, params=None):
       grads = _rows_of(grads, "grads", rows, leaves, plan)
-      n = np.shape(grads[0])[0]
+      n = np.shape(next(g for g in grads if g is not None))[0]
       params = [None] * len(rows) if params is None else _rows_of(params, "params", rows, leaves, plan, n)
-      return tuple(step(b, g, start, p) for (_, step), b, g, p in zip(steppers, buffers, grads, params))
+      return tuple(b if g is None else step(b, g, start, p)
+                   for (_, step), b, g, p in zip(steppers, buffers, grads, params))
 
     def finish(buffers, grads):
       grad_leaves, grads_def = jax.tree.flatten(grads, is_leaf=lambda x: x is None)
@@ -528,19 +530,26 @@ def _rows_stepped(by_rows: Any, params: Any, plan: Plan) -> list[int]:
 
 
 def _rows_of(tree: Any, name: str, rows: list[int], leaves: list, plan: Plan, n: int | None = None) -> list:
-  """The leaves of ``tree`` as some rows (``n`` if given) of each leaf ``rows`` marks, in that order; checked
-  against the params."""
-  values = jax.tree.leaves(tree)
-  params = [leaves[i].param for i in rows]
-  counts = {np.shape(v)[0] if np.ndim(v) else None for v in values}
+  """Per leaf ``rows`` marks, in that order, its rows in ``tree`` (``n`` of them if given), or None where a tree
+  like the params holds None at it (not stepped now); checked against the params."""
+  flat = jax.tree.leaves(tree, is_leaf=lambda x: x is None)
+  # A tree like the params (None at other leaves) has one entry per param; one layer's tree, one per marked leaf.
+  if len(flat) == len(leaves) and (None in flat or len(flat) != len(rows)):
+    values = [flat[i] for i in rows]
+  else:
+    values = [v for v in flat if v is not None]
+  params = [leaves[i].param for i, v in zip(rows, values)]
+  given = [(v, p) for v, p in zip(values, params) if v is not None]
+  counts = {np.shape(v)[0] if np.ndim(v) else None for v, _ in given}
   if len(values) != len(rows) or len(counts) != 1 or (n is not None and counts != {n}) or any(
-      np.shape(v)[1:] != np.shape(p)[1:] for v, p in zip(values, params)):
+      np.shape(v)[1:] != np.shape(p)[1:] for v, p in given):
     expected = ", ".join(f"{plan.leaves[i].path} (n, {', '.join(map(str, np.shape(p)[1:]))})"
-                         for i, p in zip(rows, params))
+                         for i, p in zip(rows, [leaves[i].param for i in rows]))
     got = ", ".join(str(np.shape(v)) for v in values)
     raise ValueError(f"{plan.owner}: StepInParts.step_rows: `{name}` must hold n rows of each leaf stepped by "
                      f"rows, in the params' leaf order: {expected}; got {len(values)} leaves shaped {got}. Pass "
-                     "one layer's tree with a leading axis of n (g[None] for one layer).")
+                     "one layer's tree with a leading axis of n (g[None] for one layer), or a tree like the "
+                     "params with None at the leaves not stepped now.")
   return values
 
 
