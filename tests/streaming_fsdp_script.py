@@ -58,19 +58,24 @@ def train_step(cfg, tx, in_backward, activations):
   return step
 
 
-def run_cpu(in_backward, dtype, options, steps=3):
-  """Three steps on 8 devices and on one; returns both runs' (params, state, losses) and the input shardings."""
+def run_cpu(in_backward, dtype, options, steps=3, resident=None, meshes=None):
+  """Three steps on 8 devices and on one; returns both runs' (params, state, losses) and the input shardings.
+
+  ``resident``: the stack split, its first layers on the devices (``optax_hybrid.split_stack``).
+  """
   cfg = models.LlamaConfig(layers=3, width=256, heads=4, ffn=512, vocab=512, seq=32, batch=8)
   rng = np.random.default_rng(0)
   values = jax.tree.map(lambda x: (rng.normal(size=x.shape) * 0.05).astype(np.float32),
                         models.llama_params(cfg, dtype))
   tokens = rng.integers(0, cfg.vocab, size=(steps, cfg.batch, cfg.seq + 1)).astype(np.int32)
   runs = []
-  for mesh in (MESH, jax.make_mesh((1,), ("fsdp",), axis_types=(jax.sharding.AxisType.Auto,),
-                                   devices=jax.devices()[:1])):
+  for mesh in meshes or (MESH, jax.make_mesh((1,), ("fsdp",), axis_types=(jax.sharding.AxisType.Auto,),
+                                             devices=jax.devices()[:1])):
     tx = optax_hybrid.hybrid_adamw(1e-3, weight_decay=0.1, tiers="host_state", **options)
     shardings = jax.tree.map(lambda x: x.sharding, placed(values, {}, mesh)[0])
     params = jax.tree.map(lambda v, sh: jax.device_put(v.astype(dtype), sh), values, shardings)
+    if resident is not None:
+      params["layers"] = optax_hybrid.split_stack(params["layers"], resident)
     params, state = optax_hybrid.commit((params, tx.init(params)))
     shardings = jax.tree.map(lambda a: a.sharding, (params, state))
     step = jax.jit(train_step(cfg, tx, in_backward, NamedSharding(mesh, P("fsdp"))), donate_argnums=(0, 1))
@@ -103,7 +108,28 @@ def check_cpu():
         assert np.max(np.abs(a - b), initial=0) <= slack, (where, jax.tree_util.keystr(path),
                                                             np.max(np.abs(a - b)), slack)
     print("ok", where, l8, flush=True)
+  check_split()
   print("FSDP CPU OK")
+
+
+def check_split():
+  """A stack split between the devices' memory and host memory steps as the stack held whole in host memory."""
+  for in_backward in (False, True):
+    options = dict(master="stochastic", moment_format="8bit")
+    ((whole, s_whole, l_whole, _),) = run_cpu(in_backward, jnp.bfloat16, options, meshes=(MESH,))
+    ((split, s_split, l_split, before),) = run_cpu(in_backward, jnp.bfloat16, options, resident=1, meshes=(MESH,))
+    where = "step_in_backward" if in_backward else "scan_layers"
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path((split, s_split)), jax.tree.leaves(before)):
+      assert a.sharding.memory_kind == b.memory_kind and a.sharding.is_equivalent_to(b, a.ndim), (
+          where, jax.tree_util.keystr(path), a.sharding, b)
+    assert split["layers"].resident["w_up"].sharding.memory_kind == "device"
+    assert split["layers"].streamed["w_up"].sharding.memory_kind == "pinned_host"
+    assert l_split == l_whole, (where, l_split, l_whole)
+    split["layers"] = optax_hybrid.join_stack(split["layers"])
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(split), jax.tree.leaves(whole)):
+      np.testing.assert_array_equal(np.asarray(jax.device_get(a), np.float32),
+                                    np.asarray(jax.device_get(b), np.float32), err_msg=f"{where} {path}")
+    print("ok split stack", where, l_split, flush=True)
 
 
 def compile_node(layers, in_backward, width=512):
