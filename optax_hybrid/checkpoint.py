@@ -52,6 +52,7 @@ import jax
 import numpy as np
 
 from optax_hybrid import _compat, checkpoint_recovery as recovery, disk, masters as masters_lib, placement
+from optax_hybrid import checkpoint_stacks as stacks_layout, stacks
 from optax_hybrid.base import STATE_TYPES, is_state as _is_state
 from optax_hybrid.checkpoint_recovery import UnreadableCheckpointError
 from optax_hybrid.plan import Plan
@@ -426,7 +427,7 @@ class _StateRestore:
     # needs the target's tree to be the saved one, with None where it reads nothing.
     self.saved_master_tree = isinstance(saved.node(prefix + ("master",)), (dict, list, tuple))
     for i in sorted(kept):
-      found = saved.arrays.get(prefix + ("master",) + _names(self.paths[i]))
+      found = stacks_layout.saved_entry(prefix + ("master",) + _names(self.paths[i]), saved.arrays)
       if found is None:
         self.build_master.append(i)
       elif found[1] != np.dtype(plan.leaves[i].master_dtype):  # kept by another format: {leaf: saved dtype}
@@ -662,18 +663,24 @@ def _restore_step(checkpoint_manager, like: Any, step: int, masters_from: Any) -
   missing = missing + converted
   # An empty array where the checkpoint holds values would drop them: disk-tier
   # moments restored into a tree without their plan (nnx.state(optimizer)).
+  # (An empty part of a split stack is no such case: its rows are read into the other part.)
+  parts = stacks.stack_rows(like)
   dropped = [jax.tree_util.keystr(path) for j, (path, x) in enumerate(entries)
-             if j not in states and _is_empty(x) and math.prod(saved.arrays.get(_names(path), ((0,), None))[0])]
+             if j not in states and _is_empty(x) and jax.tree_util.keystr(path) not in parts
+             and math.prod(saved.arrays.get(_names(path), ((0,), None))[0])]
   if dropped:
     raise ValueError(f"checkpoint.restore: the checkpoint holds values for {_first_names(dropped)}"
                      f", where `like` has empty arrays: {_KEEP_THE_PLAN}")
   target = treedef.unflatten([states[j].target() if j in states else None if _is_empty(x) else x
                               for j, (_, x) in enumerate(entries)])
+  # Split stacks held otherwise than saved (whole, or split at another row) are read as saved, then re-cut.
+  target, relaid = stacks_layout.as_saved(target, saved.node, lambda names: saved.arrays.get(names, (None,))[0],
+                                          _key_name)
   # A `like` that does not fit is the caller's error, never the step's (and
   # Orbax, finding it mid-read, leaves its other reads to complain at exit).
   _check_like_fits(saved, target, step)
   try:
-    restored = checkpoint_manager.restore(step, args=ocp.args.StandardRestore(target))
+    restored = relaid(checkpoint_manager.restore(step, args=ocp.args.StandardRestore(target)))
   except Exception as e:  # pylint: disable=broad-exception-caught
     read = lambda probe: checkpoint_manager.restore(step, args=ocp.args.StandardRestore(probe))
     array, reason = recovery.first_unreadable(read, target, e)
