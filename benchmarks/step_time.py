@@ -178,14 +178,16 @@ def in_subprocess(args: list[str], xla_flags: str = "") -> dict:
 
 
 LINEAR = ("params", "device_bytes", "host_bytes", "to_device", "to_host", "seconds", "compute", "bus_in", "bus_out",
-          "host", "collectives", "bus_busy", "bus_hidden", "flops")
+          "host", "host_memory", "collectives", "launch_time", "launch_wait", "launches", "loop_trips", "bus_busy",
+          "bus_hidden", "flops")
+BOUNDS = ("compute", "bus_in", "bus_out", "host_memory", "collectives", "launch_time")  # StepTime.lower_bound's
 
 
 def at_depth(a: dict, b: dict, layers: int) -> dict:
   """The figures at ``layers``, extrapolated from compiles ``a`` and ``b`` at two depths (linear in depth)."""
   slope = lambda key: (b[key] - a[key]) / (b["layers"] - a["layers"])
   out = dict(a, layers=layers, **{k: a[k] + (layers - a["layers"]) * slope(k) for k in LINEAR})
-  out["lower_bound"] = max(out["compute"], out["bus_in"], out["bus_out"], out["host"], out["collectives"])
+  out["lower_bound"] = max(out[k] for k in BOUNDS)
   return out
 
 
