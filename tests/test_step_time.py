@@ -380,7 +380,8 @@ def test_named_hardware_and_bad_input():
   bad = [("pcie_bandwidth", 0, "must be a positive number"), ("peak_flops", float("nan"), "must be a finite number"),
          ("launch_seconds", -1e-6, "must be 0 or more seconds"), ("copy_latency_seconds", math.inf, "must be a finite number"),
          ("nccl_efficiency", 1.5, r"must be in \(0, 1\]"), ("gpus_per_node", 0, "must be a positive int"),
-         ("gpus_per_node", 8.0, "must be a positive int"), ("host_memory_bandwidth", True, "must be a finite number")]
+         ("gpus_per_node", 8.0, "must be a positive int"), ("host_memory_bandwidth", True, "must be a finite number"),
+         ("launch_queue", 0, "must be a positive int")]
   for field, value, message in bad:
     with pytest.raises(ValueError, match=f"`{field}` {message}"):
       dataclasses.replace(HW, **{field: value})
@@ -395,6 +396,7 @@ def test_the_h200_figures_are_the_spec_sheets_and_the_cited_measurements():
   # NVIDIA's CUDA Graphs blog (3.8 us per launch; 9.6 - 3.8 us per synchronization), GDRCopy (6-7 us per
   # cudaMemcpy), nccl-tests issue 326 (360 of 450 GB/s).
   assert (h.launch_seconds, h.while_trip_seconds, h.copy_latency_seconds) == (3.8e-6, 5.8e-6, 6e-6)
+  assert h.launch_queue == 1024  # OneFlow pull request 890: launches block past 1,024 pending kernels
   assert h.nccl_efficiency == 360 / 450
 
 
@@ -450,6 +452,23 @@ def test_kernels_longer_than_a_launch_hide_the_launches_after_the_first():
   t = step_time.estimate(module(f"%a = {M} parameter(0)\n  {lines}\n  ROOT %k999 = {M} fusion(%k998, %a), "
                                 f"kind=kCustom, calls=%fused_dot", FUSED_DOT), OVERHEADS)
   assert t.seconds == pytest.approx(LAUNCH + 1000 * DOT, rel=1e-9) and t.launch_wait == pytest.approx(LAUNCH)
+
+
+def test_the_host_runs_ahead_of_a_long_kernel_by_at_most_its_launch_queue():
+  # One 2 ms matmul, then 2,000 tiny kernels launched 5 us apart: 10 ms of launches.
+  tiny = "\n  ".join(f"%n{j} = {TINY} negate(%{'v' if j == 0 else f'n{j - 1}'})" for j in range(2000))
+  text = module(f"""
+  %a = {M} parameter(0)
+  %v = {TINY} parameter(1)
+  %k = {M} fusion(%a, %a), kind=kCustom, calls=%fused_dot
+  {tiny}
+  ROOT %t = ({M}, {TINY}) tuple(%k, %n1999)""", FUSED_DOT)
+  unbounded, queued = (step_time.estimate(text, dataclasses.replace(OVERHEADS, launch_queue=q)) for q in (10**6, 100))
+  # Without a bound the host keeps launching while the matmul runs: 2,001 launches are the step.
+  assert unbounded.seconds == pytest.approx(2001 * LAUNCH + TINY_KERNEL, rel=1e-9)
+  # With 100 places the host stops at the 102nd launch until the second kernel starts (after the matmul), then
+  # launches the last 1,900 one by one.
+  assert queued.seconds == pytest.approx(LAUNCH + DOT + 1900 * LAUNCH + TINY_KERNEL, rel=1e-9)
 
 
 SMALL = "f32[1024]{0}"  # 4 KB

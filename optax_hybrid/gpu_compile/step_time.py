@@ -8,7 +8,8 @@ thread that launches its work:
 
 * **Launches.** The host issues each piece of work (a kernel, a copy, a
   collective, a host computation) one after the other, ``launch_seconds``
-  each, ahead of the GPU; work cannot start before it is issued. A command
+  each, ahead of the GPU by at most ``launch_queue`` launches on the compute
+  stream; work cannot start before it is issued. A command
   buffer (a CUDA graph: runs of kernels XLA groups, read from the thunk plan
   it wrote at compile time, :mod:`optax_hybrid.gpu_compile.thunks`) costs one
   launch for all its members.
@@ -68,6 +69,7 @@ Example::
 
 from __future__ import annotations
 
+import collections
 import copy
 import dataclasses
 import math
@@ -120,6 +122,10 @@ class Hardware:
       copy, a collective; a command buffer as a whole). Default 3.8 us:
       NVIDIA's "Getting Started with CUDA Graphs" (2019), short kernels
       issued back to back on a V100 ran at one per 3.8 us.
+    launch_queue: how many launches on the compute stream the host may be
+      ahead of the GPU before a launch blocks it. Default 1024: OneFlow's
+      report (Oneflow-Inc/oneflow pull request 890) that past 1,024 pending
+      kernels in a stream the launches block.
     while_trip_seconds: the host's wait for the device, per trip of a loop
       whose trip count XLA does not know (and per ``conditional``), once the
       predicate's copy has arrived. Default 5.8 us: the same measurement with
@@ -147,6 +153,7 @@ class Hardware:
   host_memory_bandwidth: float
   gpus_per_node: int
   launch_seconds: float = 3.8e-6
+  launch_queue: int = 1024
   while_trip_seconds: float = 5.8e-6
   copy_latency_seconds: float = 6e-6
   nccl_efficiency: float = 0.8
@@ -164,8 +171,10 @@ class Hardware:
         raise ValueError(f"Hardware: `{name}` must be 0 or more seconds; got {getattr(self, name)!r}.")
     if not 0 < self.nccl_efficiency <= 1:
       raise ValueError(f"Hardware: `nccl_efficiency` must be in (0, 1]; got {self.nccl_efficiency!r}.")
-    if isinstance(self.gpus_per_node, bool) or not isinstance(self.gpus_per_node, int) or self.gpus_per_node < 1:
-      raise ValueError(f"Hardware: `gpus_per_node` must be a positive int; got {self.gpus_per_node!r}.")
+    for name in ("gpus_per_node", "launch_queue"):
+      value = getattr(self, name)
+      if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"Hardware: `{name}` must be a positive int; got {value!r}.")
 
   @property
   def host_memory_share(self) -> float:
@@ -512,18 +521,31 @@ class _Timeline:
     self.busy = dict.fromkeys(("compute", "host") + _ENGINES, 0.0)
     self.count = dict.fromkeys(_COUNTS, 0.0)
     self.bus: list[list[float]] = []  # the copy engines' busy intervals (merged) not yet behind the clock
+    self.queue: collections.deque = collections.deque(maxlen=hardware.launch_queue)  # the last launches' starts
 
-  def issue(self, starts_buffer: bool = False) -> float:
-    """The host issues one piece of work (or a command buffer); returns when it is issued."""
+  def issue(self, starts_buffer: bool = False, on_stream: bool = False) -> float:
+    """The host issues one piece of work (or a command buffer); returns when it is issued.
+
+    Work for the compute stream waits for a place in its queue: the launch ``launch_queue`` before it must
+    have started.
+    """
+    if on_stream and len(self.queue) == self.queue.maxlen:
+      self.host = max(self.host, self.queue[0])
     self.host += self.hardware.launch_seconds
     self.count["launches"] += 1
     if starts_buffer:
       self.buffer_issued = self.host
     return self.host
 
-  def compute(self, seconds: float, flops: float, issued: float) -> None:
-    """A kernel: it starts once the stream is free and the host has issued it; bus time beside it is hidden."""
+  def compute(self, seconds: float, flops: float, issued: float, queued: bool) -> None:
+    """A kernel: it starts once the stream is free and the host has issued it; bus time beside it is hidden.
+
+    ``queued``: the host launched it (alone, or as its command buffer's first kernel): it takes a place in the
+    launch queue until it starts.
+    """
     start = max(self.clock, issued)
+    if queued:
+      self.queue.append(start)
     end = start + seconds
     self.count["launch_wait"] += start - self.clock
     self.count["bus_hidden"] += sum(max(0.0, min(e, end) - max(s, start)) for s, e in self.bus)
@@ -586,6 +608,7 @@ class _Timeline:
     ahead = lambda t: max(0.0, t - self.clock)
     lead = self.hardware.launch_seconds
     return (tuple(ahead(t) for t in self.free.values()), ahead(self.host + lead), ahead(self.buffer_issued + lead),
+            tuple(max(s, self.host) - self.clock for s in self.queue),
             tuple((s - self.clock, e - self.clock) for s, e in self.bus),
             tuple(sorted((j, ahead(t)) for j, t in carried.items())))
 
@@ -602,6 +625,7 @@ class _Timeline:
     for name in self.count:
       self.count[name] += per_trip[name] * times
     self.bus = [[s + shift, e + shift] for s, e in self.bus]
+    self.queue = collections.deque((s + shift for s in self.queue), maxlen=self.queue.maxlen)
     return {j: t + shift for j, t in carried.items()}
 
 
@@ -666,11 +690,18 @@ class _Replay:
         self.instruction(ins, shapes, pending, tuples)
     return tuples.get(instructions[-1].name, {}) if instructions else {}
 
-  def issued(self, ins: HloInstruction) -> float:
-    """When the host has issued ``ins``: launched alone, with its command buffer, or as a member of one."""
-    if ins.name in self.plan.members and ins.name not in self.plan.launched_at:
+  def launched(self, ins: HloInstruction) -> bool:
+    """Does the host launch ``ins`` (alone, or as its command buffer's first member)?"""
+    return ins.name not in self.plan.members or ins.name in self.plan.launched_at
+
+  def issued(self, ins: HloInstruction, on_stream: bool = False) -> float:
+    """When the host has issued ``ins``: launched alone, with its command buffer, or as a member of one.
+
+    ``on_stream``: work of the compute stream (a kernel), which waits for a place in the launch queue.
+    """
+    if not self.launched(ins):
       return self.timeline.buffer_issued
-    return self.timeline.issue(starts_buffer=ins.name in self.plan.launched_at)
+    return self.timeline.issue(starts_buffer=ins.name in self.plan.launched_at, on_stream=on_stream)
 
   def instruction(self, ins: HloInstruction, shapes: dict, pending: dict, tuples: dict) -> None:
     t, op = self.timeline, ins.opcode
@@ -683,38 +714,40 @@ class _Replay:
     elif op in BOOKKEEPING_OPS or op.endswith("-update") or op in ("send", "recv"):
       pass
     else:
-      # An async-start that wraps computation issues nothing itself: the work it wraps is issued as it runs.
-      wraps_work = op == "async-start" and collective_of(ins, self.computations) is None
-      end = self.work(ins, shapes, t.clock if wraps_work else max(t.clock, self.issued(ins)))
+      end = self.work(ins, shapes)
       if op.endswith("-start"):
         pending[ins.name] = end
       else:
         t.wait(end)
 
-  def work(self, ins: HloInstruction, shapes: dict, ready: float) -> float:
-    """Issued work from ``ready`` on: a host call, a transfer, a collective, a host-memory copy or a kernel.
+  def ready(self, ins: HloInstruction, on_stream: bool = False) -> float:
+    """When ``ins`` may start: the stream has reached it and the host has issued it."""
+    return max(self.timeline.clock, self.issued(ins, on_stream))
+
+  def work(self, ins: HloInstruction, shapes: dict) -> float:
+    """Issued work: a host call, a transfer, a collective, a host-memory copy or a kernel.
 
     Returns when it ends (a kernel: when the stream is done with it).
     """
     t, hw = self.timeline, self.hardware
+    collective = collective_of(ins, self.computations)
+    if ins.opcode == "async-start" and collective is None:
+      for c in ins.called:  # work XLA wrapped to run asynchronously: issued and counted on the compute stream
+        self.run(c, {})
+      return t.clock
     if is_host_call(ins):
-      return self.host_call(ins, shapes, ready)
+      return self.host_call(ins, shapes, self.ready(ins))
     moved = transfer_of(ins, shapes)
     if moved is not None:
-      return t.transfer("in" if moved[0] else "out", sum(moved), ready)
-    collective = collective_of(ins, self.computations)
+      return t.transfer("in" if moved[0] else "out", sum(moved), self.ready(ins))
     if collective is not None:
       opcode, group = collective.opcode.removesuffix("-start"), collective_group_size(collective.rest, self.devices)
       seconds = _collective_seconds(opcode, group, collective_payload(ins, shapes),
                                     hw.nvlink_bandwidth * hw.nccl_efficiency)
-      return t.engine("net", seconds, ready)
+      return t.engine("net", seconds, self.ready(ins))
     if _host_to_host(ins, shapes):
-      return t.engine("memory", self.costs.kernel_bytes(ins, shapes) / hw.host_memory_share, ready)
-    if ins.opcode == "async-start":  # work XLA wrapped to run asynchronously: counted on the compute stream
-      for c in ins.called:
-        self.run(c, {})
-      return t.clock
-    t.compute(*self.costs.kernel_seconds(ins, shapes), ready)
+      return t.engine("memory", self.costs.kernel_bytes(ins, shapes) / hw.host_memory_share, self.ready(ins))
+    t.compute(*self.costs.kernel_seconds(ins, shapes), self.ready(ins, on_stream=True), self.launched(ins))
     return t.clock
 
   def host_call(self, ins: HloInstruction, shapes: dict, ready: float) -> float:
