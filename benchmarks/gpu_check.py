@@ -39,6 +39,11 @@ Beside each measured step time (sections 4, 5 and 6) the script prints the time
 ``optax_hybrid.gpu_compile.step_time`` estimates from the same compiled program's HLO
 (``compiled.as_text()``) on the spec figures of the GPU it runs on (H100 or
 H200 SXM, PCIe 5 x16): the estimate's check on hardware (docs/step_time.md).
+Section 6 also prints, beside the kernels, launches and loop trips the
+estimate counts, the kernels and launches of one profiled step (a JAX
+profiler trace: the GPU streams' kernel records, the host's kernel and graph
+launch calls); the text of a compiled program shows no command buffers, so
+the estimate counts every kernel as launched alone there.
 With ``--smoke`` on a CPU the estimate reads the CPU program: the column then
 only shows that the path runs.
 
@@ -261,6 +266,42 @@ def spec_hardware() -> step_time.Hardware:
 def estimated(compiled, per: int = 1) -> float:
   """Seconds ``optax_hybrid.gpu_compile.step_time`` estimates for a compiled program (divided by ``per`` steps it runs)."""
   return step_time.estimate(compiled.as_text(), spec_hardware()).seconds / per
+
+
+def profiled_counts(run) -> tuple[int, int] | None:
+  """``(kernels, launches)`` of one call of ``run``, from a JAX profiler trace (:func:`trace_counts`)."""
+  import glob
+  import gzip
+  import json
+  import tempfile
+  with tempfile.TemporaryDirectory() as folder:
+    with jax.profiler.trace(folder, create_perfetto_trace=True):
+      run()
+    files = glob.glob(os.path.join(folder, "**", "*trace.json.gz"), recursive=True)
+    if not files:
+      return None
+    with gzip.open(files[0]) as f:
+      trace = json.load(f)
+  return trace_counts(trace.get("traceEvents", []) if isinstance(trace, dict) else trace)
+
+
+def trace_counts(events: list) -> tuple[int, int] | None:
+  """``(kernels, launches)`` in trace events (Chrome trace format); None where they show no GPU stream.
+
+  Kernels: the spans on a GPU process's ``Stream ...`` threads (CUPTI's activity records) other than copies
+  and memsets. Launches: the host's CUDA calls that start a kernel or a CUDA graph.
+  """
+  import re
+  names = lambda kind: {(e.get("pid"), e.get("tid")) if kind == "thread_name" else e.get("pid"): str(
+      e.get("args", {}).get("name", "")) for e in events if e.get("ph") == "M" and e.get("name") == kind}
+  gpus = {pid for pid, name in names("process_name").items() if "GPU" in name}
+  streams = {key for key, name in names("thread_name").items() if key[0] in gpus and name.startswith("Stream")}
+  spans = [e for e in events if e.get("ph") == "X"]
+  kernels = sum((e.get("pid"), e.get("tid")) in streams and not re.match(r"(?i)mem(cpy|set)", e.get("name", ""))
+                for e in spans)
+  launches = sum(e.get("pid") not in gpus and bool(re.search(r"cu(da)?(LaunchKernel|GraphLaunch)", e.get("name", "")))
+                 for e in spans)
+  return (kernels, launches) if streams else None
 
 
 # --- 3. block sweep ------------------------------------------------------------
@@ -497,7 +538,8 @@ def _llama_run(cfg_kw: dict, streamed: bool, steps: int, reps: int, in_backward:
   on the device and the step recompiled with XLA's scheduler told what
   each copy and kernel took; docs/streaming.md), the estimate still that
   of the program compiled without it. Returns (losses, seconds per step,
-  params, device GiB, host GiB, estimated seconds per step).
+  params, device GiB, host GiB, the step's estimate (a ``StepTime``), and
+  the kernels and launches a profiled step ran (None without a GPU trace)).
   """
   import models
   model = models.llama(jnp.bfloat16, stream=streamed, layers_memory_kind="pinned_host" if streamed else "device",
@@ -550,9 +592,10 @@ def _llama_run(cfg_kw: dict, streamed: bool, steps: int, reps: int, in_backward:
     for _ in range(jax.config.jax_pgle_profiling_runs + 1 - steps if pgle else 0):
       run()  # the profiled runs left, then the recompile: not timed
     seconds = timed(run, reps)
+    counts = profiled_counts(run)
   finally:
     jax.config.update("jax_enable_pgle", enabled)
-  return losses, seconds, model.num_params, dev, host, estimated(compiled)
+  return losses, seconds, model.num_params, dev, host, step_time.estimate(compiled.as_text(), spec_hardware()), counts
 
 
 def streaming_report(smoke: bool, reps: int) -> None:
@@ -575,12 +618,16 @@ def streaming_report(smoke: bool, reps: int) -> None:
       ("the same, JAX's profile-guided scheduling", True, True, True)):
     rows[name] = _llama_run(dict(layers=layers, **size), streamed, steps=3, reps=reps, in_backward=in_backward,
                             pgle=pgle)
-  print(f"| {'setup':<52} | {'ms/step':>8} | {'est. ms':>8} | {'device GiB':>10} | {'host GiB':>8} | "
-        "losses (3 steps) |")
-  print(f"|{'-' * 54}|{'-' * 10}|{'-' * 10}|{'-' * 12}|{'-' * 10}|{'-' * 18}|")
-  for name, (losses, seconds, n, dev, host, estimate) in rows.items():
-    print(f"| {name:<52} | {seconds * 1e3:8.1f} | {estimate * 1e3:8.1f} | {dev:10.2f} | {host:8.2f} | "
-          f"{', '.join(f'{l:.4f}' for l in losses)} |", flush=True)
+  # Beside the time: what the estimate says the host launches and the GPU runs, against a profiled step.
+  print(f"| {'setup':<52} | {'ms/step':>8} | {'est. ms':>8} | kernels est. / run | launches est. / run | "
+        f"est. loop trips | {'device GiB':>10} | {'host GiB':>8} | losses (3 steps) |")
+  print(f"|{'-' * 54}|{'-' * 10}|{'-' * 10}|{'-' * 20}|{'-' * 21}|{'-' * 17}|{'-' * 12}|{'-' * 10}|{'-' * 18}|")
+  for name, (losses, seconds, n, dev, host, estimate, counts) in rows.items():
+    run_kernels, run_launches = counts or ("-", "-")
+    print(f"| {name:<52} | {seconds * 1e3:8.1f} | {estimate.seconds * 1e3:8.1f} | "
+          f"{f'{estimate.kernels} / {run_kernels}':>18} | {f'{estimate.launches} / {run_launches}':>19} | "
+          f"{estimate.loop_trips:>15} | {dev:10.2f} | {host:8.2f} | {', '.join(f'{l:.4f}' for l in losses)} |",
+          flush=True)
   (l_dev, t_dev, *_), (l_str, t_str, *_), (l_back, t_back, *_), (l_pgle, t_pgle, *_) = rows.values()
   check("streamed losses == all-on-device losses (3 steps)", excess(l_str, l_dev, 2e-2, 1e-3) <= 1,
         f"{l_str} vs {l_dev}")
@@ -596,8 +643,8 @@ def streaming_report(smoke: bool, reps: int) -> None:
   best, per_layer = None, rows[list(rows)[1]][4] / layers  # host GiB per layer, the small run's
   depth = max(layers, int(0.7 * total_host / max(per_layer, 1e-9))) if not smoke else layers + 1
   try:
-    losses, seconds, n, dev, host, estimate = _llama_run(dict(layers=depth, **size), True, steps=1, reps=1)
-    best = (depth, n, seconds, dev, host, losses[-1], estimate)
+    losses, seconds, n, dev, host, estimate, _ = _llama_run(dict(layers=depth, **size), True, steps=1, reps=1)
+    best = (depth, n, seconds, dev, host, losses[-1], estimate.seconds)
   except Exception as e:  # noqa: BLE001 - out of memory is a finding, reported
     print(f"{depth} layers did not run: {type(e).__name__}: {str(e).splitlines()[0][:200]}", flush=True)
   if best:

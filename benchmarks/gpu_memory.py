@@ -590,6 +590,8 @@ def capacity_figures(setup: str, layers: int, target: str, devices: int = 1) -> 
     hlo_file = os.path.join(os.environ["GPU_MEMORY_HLO_DIR"], f"{setup}-{layers}-{devices}.hlo.gz".replace(" ", "_"))
     with gzip.open(hlo_file, "wt") as f:
       f.write(report.hlo)
+    with open(hlo_file + ".command_buffers.json", "w") as f:
+      json.dump(_command_buffers_json(report.command_buffers), f)
   return dict(setup=setup, layers=layers, params=n, devices=devices, **fields, device=report.device_peak_bytes,
               host=report.host_peak_bytes, host_argument=report.host_argument_bytes, host_temp=report.host_temp_bytes,
               to_device=report.to_device_bytes, to_host=report.to_host_bytes, warnings=len(report.warnings),
@@ -696,10 +698,29 @@ def by_field(row: dict) -> str:
   return " / ".join(f"{x / share:.2f}" for x in (*parts, row["host"] - sum(parts)))
 
 
+def _command_buffers_json(plan) -> dict | None:
+  """A compile's command buffers (``GpuCompileReport.command_buffers``) as JSON: sets as sorted lists."""
+  if plan is None:
+    return None
+  return {k: sorted(v) if isinstance(v, frozenset) else v for k, v in dataclasses.asdict(plan).items()}
+
+
+def _kept_command_buffers(hlo_file: str):
+  """The command buffers kept beside a probe's HLO; None for a probe kept before they were."""
+  from optax_hybrid.gpu_compile.thunks import CommandBuffers
+  path = hlo_file + ".command_buffers.json"
+  if not os.path.exists(path):
+    return None
+  with open(path) as f:
+    kept = json.load(f)
+  return None if kept is None else CommandBuffers(**{k: frozenset(v) if isinstance(v, list) else v
+                                                     for k, v in kept.items()})
+
+
 def traffic(row: dict) -> dict:
   """Per GPU per step, from the compiled program kept on disk: collective bytes and the estimated step time.
 
-  (``GPU_MEMORY_HLO_DIR`` keeps each probe's optimized HLO; without it, nothing.)
+  (``GPU_MEMORY_HLO_DIR`` keeps each probe's optimized HLO and command buffers; without it, nothing.)
   """
   if not row.get("hlo_file") or not os.path.exists(row["hlo_file"]):
     return {}
@@ -707,9 +728,10 @@ def traffic(row: dict) -> dict:
   from optax_hybrid.gpu_compile import step_time
   with gzip.open(row["hlo_file"], "rt") as f:
     hlo = f.read()
-  estimate = step_time.estimate(hlo, step_time.H200_SXM)
+  estimate = step_time.estimate(hlo, step_time.H200_SXM, _kept_command_buffers(row["hlo_file"]))
   return dict(collectives=gpu_compile.count_hlo(hlo).collective_bytes, seconds=estimate.seconds,
-              bound=estimate.lower_bound)
+              bound=estimate.lower_bound, nvlink=estimate.collectives, launches=estimate.launches,
+              trips=estimate.loop_trips)
 
 
 GPUS_PER_NODE = 8
@@ -738,8 +760,9 @@ def capacity_table(args) -> list[dict]:
   node = args.devices > 1
   print("| host memory | setup | layers | params | x optax.adamw bf16 + fp32 mu | device GB | host GB | "
         "host B/weight | params / master / moments / gradient / other | bus in / out B/weight |"
-        + (" bus in / out GB | all-gather / reduce-scatter / all-reduce GB | est. step s (bound) |" if node else ""))
-  print("|---|---|---:|---:|---:|---:|---:|---:|---|---:|" + ("---:|---:|---:|" if node else ""))
+        + (" bus in / out GB | all-gather results / reduce-scatter operands / all-reduce GB | NVLink s | "
+           "launches / loop trips | est. step s (bound) |" if node else ""))
+  print("|---|---|---:|---:|---:|---:|---:|---:|---|---:|" + ("---:|---:|---:|---:|---:|" if node else ""))
   for memory in args.host_memories.split(","):
     mine = [r for r in rows if r["host_memory"] == memory]
     base = next((r for r in mine if r["setup"] == "optax.adamw bf16 + fp32 mu"), None)
@@ -754,7 +777,8 @@ def capacity_table(args) -> list[dict]:
         c = t.get("collectives", {})
         line += (f" {r['to_device'] / GB:.1f} / {r['to_host'] / GB:.1f} | "
                  + " / ".join(f"{c.get(k, 0) / GB:.1f}" for k in ("all-gather", "reduce-scatter", "all-reduce"))
-                 + (f" | {t['seconds']:.2f} ({t['bound']:.2f}) |" if t else " | - |"))
+                 + (f" | {t['nvlink']:.2f} | {t['launches']:,} / {t['trips']:,} | {t['seconds']:.2f} ({t['bound']:.2f}) |"
+                    if t else " | - | - | - |"))
       print(line)
   return rows
 

@@ -4,6 +4,7 @@
         [--check-depth 16] [--cache compiles.jsonl]
     JAX_PLATFORMS=cpu PYTHONPATH=. python benchmarks/step_time.py --overlap-probe
     JAX_PLATFORMS=cpu PYTHONPATH=. python benchmarks/step_time.py --one SETUP --layers 4 --batch 4 [--flat-layers]
+        [--variants]
     JAX_PLATFORMS=cpu PYTHONPATH=. python benchmarks/step_time.py --quick   # a small model, every setup
 
 Needs JAX's CUDA plugin (docs/gpu_compile.md); no GPU. For each setup
@@ -37,7 +38,7 @@ batch), compiled and estimated at that batch.
 per trip, as 6 copies or as one packed copy, fetched in the trip or a trip
 ahead: how much of the bus XLA's schedule hides in each case
 (docs/streaming.md). ``--one``: one compile's figures as a JSON line
-(``XLA_FLAGS`` apply).
+(``XLA_FLAGS`` apply; ``--variants``: the step again with each figure of the model moved, docs/step_time.md).
 
 Each compile runs in its own subprocess; a failed compile stops the run.
 """
@@ -138,9 +139,33 @@ def write_latency_profile(hlo: str, path: str) -> None:
     f.writelines(f'costs {{ name: "{name}" cost_us: {seconds * 1e6:.3f} }}\n' for name, seconds in costs.items())
 
 
-def compile_one(name: str, layers: int, batch: int, target: str, flat: bool = False, profile: str = "") -> dict:
+def all_in_command_buffers(hlo: str) -> gpu_compile.CommandBuffers:
+  """A plan in which every instruction runs from one command buffer and every loop on the device: what the
+  estimate would be if XLA captured everything (one launch per step)."""
+  computations, entry = gpu_compile.parse_hlo(hlo)
+  names = frozenset(i.name for instructions in computations.values() for i in instructions)
+  loops = frozenset(i.name for instructions in computations.values() for i in instructions if i.opcode == "while")
+  first = next((i.name for i in computations[entry] if i.opcode not in gpu_compile.BOOKKEEPING_OPS), None)
+  return gpu_compile.CommandBuffers(names, frozenset({first}), loops, 1)
+
+
+def variants(report) -> dict:
+  """The step estimated with each of the model's figures moved one way: how much each part of the model weighs."""
+  h = step_time.HARDWARE[report.target]
+  change = lambda **kw: step_time.estimate(report, dataclasses.replace(h, **kw)).seconds
+  return {"as estimated": report.step_time().seconds,
+          "no launch or loop cost": change(launch_seconds=0, while_trip_seconds=0),
+          "launches at 2 us": change(launch_seconds=2e-6), "launches at 5 us": change(launch_seconds=5e-6),
+          "no copy latency": change(copy_latency_seconds=0),
+          "host memory at 0.75 of its peak": change(host_memory_bandwidth=0.75 * h.host_memory_bandwidth),
+          "kernels at 0.7 of the peak flops": change(peak_flops=0.7 * h.peak_flops),
+          "everything in one command buffer": step_time.estimate(report.hlo, h, all_in_command_buffers(report.hlo)).seconds}
+
+
+def compile_one(name: str, layers: int, batch: int, target: str, flat: bool = False, profile: str = "",
+                with_variants: bool = False) -> dict:
   """One compile: params, device and host peak, and the step-time estimate (``flat``: :func:`flat_layers`;
-  ``profile``: a path to write :func:`write_latency_profile` to)."""
+  ``profile``: a path to write :func:`write_latency_profile` to; ``with_variants``: :func:`variants` too)."""
   setup = SETUPS[name]
   cfg = models.LlamaConfig(layers=layers, batch=batch, **SIZES)
   model = models.llama(setup.dtype, stream=setup.streamed, layers=layers, batch=batch,
@@ -162,7 +187,8 @@ def compile_one(name: str, layers: int, batch: int, target: str, flat: bool = Fa
               host_bytes=report.host_peak_bytes, warnings=len(report.warnings), to_device=report.to_device_bytes,
               to_host=report.to_host_bytes,
               overlap=[(x.fetches, x.overlapped, x.carried) for x in gpu_compile.loop_transfers(report.hlo)],
-              **{k: v for k, v in estimate.as_dict().items() if k not in ("hardware", "loops")})
+              **{k: v for k, v in estimate.as_dict().items() if k not in ("hardware", "loops")},
+              **({"variants": variants(report)} if with_variants else {}))
 
 
 def in_subprocess(args: list[str], xla_flags: str = "") -> dict:
@@ -178,14 +204,16 @@ def in_subprocess(args: list[str], xla_flags: str = "") -> dict:
 
 
 LINEAR = ("params", "device_bytes", "host_bytes", "to_device", "to_host", "seconds", "compute", "bus_in", "bus_out",
-          "host", "collectives", "bus_busy", "bus_hidden", "flops")
+          "host", "host_memory", "collectives", "launch_time", "launch_wait", "launches", "loop_trips", "bus_busy",
+          "bus_hidden", "flops")
+BOUNDS = ("compute", "bus_in", "bus_out", "host_memory", "collectives", "launch_time")  # StepTime.lower_bound's
 
 
 def at_depth(a: dict, b: dict, layers: int) -> dict:
   """The figures at ``layers``, extrapolated from compiles ``a`` and ``b`` at two depths (linear in depth)."""
   slope = lambda key: (b[key] - a[key]) / (b["layers"] - a["layers"])
   out = dict(a, layers=layers, **{k: a[k] + (layers - a["layers"]) * slope(k) for k in LINEAR})
-  out["lower_bound"] = max(out["compute"], out["bus_in"], out["bus_out"], out["host"], out["collectives"])
+  out["lower_bound"] = max(out[k] for k in BOUNDS)
   return out
 
 
@@ -360,6 +388,8 @@ def main(argv=None):
   parser.add_argument("--batch", type=int, default=1, help="--one: sequences of 2048")
   parser.add_argument("--write-latency-profile", default="", metavar="PATH",
                       help="--one: write a profile for XLA's scheduler from the estimate's costs (docs/streaming.md)")
+  parser.add_argument("--variants", action="store_true",
+                      help="--one: the step estimated with each figure of the model moved (docs/step_time.md)")
   parser.add_argument("--flat-layers", action="store_true",
                       help="--one: the stacked layers as one (L, N) array, each weight a slice of a layer's row")
   args = parser.parse_args(argv)
@@ -367,7 +397,7 @@ def main(argv=None):
     SIZES.update(width=256, heads=2, ffn=688, vocab=1000, seq=128)
   if args.one:
     print(json.dumps(compile_one(args.one, args.layers, args.batch, args.target, args.flat_layers,
-                                  args.write_latency_profile)))
+                                  args.write_latency_profile, args.variants)))
     return None
   if args.one_probe:
     packed, ahead = (x == "True" for x in args.one_probe.split(","))

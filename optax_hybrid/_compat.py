@@ -248,12 +248,15 @@ def match_type_to_sharding(x: Any) -> Any:
 # ``DeviceList``, which JAX 0.10 and 0.11 build only through private modules.
 
 
-def xla_compile_options(num_partitions: int, devices: Sequence[Any]) -> Any:
+def xla_compile_options(num_partitions: int, devices: Sequence[Any], dump_to: str | None = None) -> Any:
   """XLA compile options for one replica partitioned over ``devices`` (SPMD).
 
   Args:
     num_partitions: the number of SPMD partitions (``len(devices)``).
     devices: the topology's devices, in device-assignment order.
+    dump_to: a directory where XLA:GPU writes what it compiled, its thunk plan
+      included (``--xla_dump_to`` and ``--xla_gpu_experimental_dump_gpu_executable``
+      for this compile only); None: no dump.
 
   Returns:
     An ``xla_client.CompileOptions`` as ``jax.jit`` would build it.
@@ -261,8 +264,12 @@ def xla_compile_options(num_partitions: int, devices: Sequence[Any]) -> Any:
   from jax._src import compiler  # private in JAX 0.10 and 0.11
   # One row per replica, one column per partition.
   assignment = np.array(list(devices), dtype=object).reshape(1, num_partitions)
-  return compiler.get_compile_options(
+  options = compiler.get_compile_options(
       num_replicas=1, num_partitions=num_partitions, device_assignment=assignment)
+  if dump_to is not None:  # per compile, as JAX itself overrides flags (env_option_overrides)
+    options.env_option_overrides = list(options.env_option_overrides) + [
+        ("xla_dump_to", dump_to), ("xla_gpu_experimental_dump_gpu_executable", True)]
+  return options
 
 
 def xla_device_list(devices: Sequence[Any]) -> Any:

@@ -12,6 +12,8 @@ in ``tests/test_step_time_compile.py``.
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import os
 
 import pytest
@@ -19,8 +21,9 @@ import pytest
 from optax_hybrid import gpu_compile
 from optax_hybrid.gpu_compile import step_time
 
-HW = step_time.Hardware("round figures", peak_flops=1e12, hbm_bandwidth=1e11, pcie_bandwidth=1e9,
-                        host_bandwidth=1e10, nvlink_bandwidth=1e10)
+HW = step_time.Hardware("round figures, no overheads", peak_flops=1e12, hbm_bandwidth=1e11, pcie_bandwidth=1e9,
+                        nvlink_bandwidth=1e10, host_memory_bandwidth=1e10, gpus_per_node=1, launch_seconds=0,
+                        while_trip_seconds=0, copy_latency_seconds=0, nccl_efficiency=1)
 DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "hlo")
 
 M = "f32[1000,1000]{1,0}"  # 4e6 bytes: 4 ms over the link
@@ -306,7 +309,7 @@ def test_a_host_computation_reads_its_device_input_over_the_link_then_runs_at_ho
   # custom-call-start ((g f32[256] on the device, a f32[256] in host memory), f32[256] in host memory, u32[]):
   # g crosses to the host (1024 B), then the host reads g and a and writes the result (3 x 1024 B + the u32).
   assert t.bus_out == pytest.approx(1024 / HW.pcie_bandwidth) and t.bus_in == 0
-  assert t.host == pytest.approx((3 * 1024 + 4) / HW.host_bandwidth)
+  assert t.host == pytest.approx((3 * 1024 + 4) / HW.host_memory_share)
   assert t.seconds == pytest.approx(t.bus_out + t.host) and t.compute == 0
 
 
@@ -361,7 +364,7 @@ def test_mfu_is_model_flops_over_time_and_peak():
   %a = {M} parameter(0)
   ROOT %k = {M} fusion(%a, %a), kind=kCustom, calls=%fused_dot""", FUSED_DOT))
   assert t.mfu(1e9) == pytest.approx(1e9 / (DOT * HW.peak_flops))
-  assert t.as_dict()["lower_bound"] == pytest.approx(DOT) and t.as_dict()["hardware"] == "round figures"
+  assert t.as_dict()["lower_bound"] == pytest.approx(DOT) and t.as_dict()["hardware"] == HW.name
 
 
 def test_named_hardware_and_bad_input():
@@ -372,16 +375,29 @@ def test_named_hardware_and_bad_input():
     step_time.estimate(text, "a100")
   with pytest.raises(ValueError, match="`hlo` must be an optimized HLO module's text"):
     step_time.estimate("not HLO")
-  with pytest.raises(ValueError, match="`pcie_bandwidth` must be a positive number"):
-    step_time.Hardware("x", 1e12, 1e11, 0, 1e10, 1e10)
-  with pytest.raises(ValueError, match="`peak_flops` must be a positive number"):
-    step_time.Hardware("x", float("nan"), 1e11, 1e9, 1e10, 1e10)
+  with pytest.raises(TypeError):  # every figure is a keyword: the order of earlier releases cannot slip through
+    step_time.Hardware("x", 1e12, 1e11, 1e9, 1e10, 1e10)
+  bad = [("pcie_bandwidth", 0, "must be a positive number"), ("peak_flops", float("nan"), "must be a finite number"),
+         ("launch_seconds", -1e-6, "must be 0 or more seconds"), ("copy_latency_seconds", math.inf, "must be a finite number"),
+         ("nccl_efficiency", 1.5, r"must be in \(0, 1\]"), ("gpus_per_node", 0, "must be a positive int"),
+         ("gpus_per_node", 8.0, "must be a positive int"), ("host_memory_bandwidth", True, "must be a finite number"),
+         ("launch_queue", 0, "must be a positive int")]
+  for field, value, message in bad:
+    with pytest.raises(ValueError, match=f"`{field}` {message}"):
+      dataclasses.replace(HW, **{field: value})
 
 
-def test_the_h200_figures_are_the_spec_sheets():
+def test_the_h200_figures_are_the_spec_sheets_and_the_cited_measurements():
   h = step_time.H200_SXM
   assert (h.peak_flops, h.hbm_bandwidth, h.nvlink_bandwidth) == (989e12, 4.8e12, 450e9)
   assert 50e9 <= h.pcie_bandwidth <= 64e9 and step_time.H100_SXM.hbm_bandwidth == 3.35e12
+  # DGX H200: 2 sockets x 8 DDR5-4800 channels x 8 bytes, shared by its 8 GPUs.
+  assert h.host_memory_bandwidth == 614.4e9 and h.gpus_per_node == 8 and h.host_memory_share == 76.8e9
+  # NVIDIA's CUDA Graphs blog (3.8 us per launch; 9.6 - 3.8 us per synchronization), GDRCopy (6-7 us per
+  # cudaMemcpy), nccl-tests issue 326 (360 of 450 GB/s).
+  assert (h.launch_seconds, h.while_trip_seconds, h.copy_latency_seconds) == (3.8e-6, 5.8e-6, 6e-6)
+  assert h.launch_queue == 1024  # OneFlow pull request 890: launches block past 1,024 pending kernels
+  assert h.nccl_efficiency == 360 / 450
 
 
 def test_kernel_seconds_name_each_kernel_and_leave_out_transfers():
@@ -394,3 +410,213 @@ def test_kernel_seconds_name_each_kernel_and_leave_out_transfers():
   %sync = {HOST_M} copy(%k)
   ROOT %t = ({M}, {HOST_M}) tuple(%cd, %sync)""", FUSED_DOT), HW)
   assert seconds == pytest.approx({"k": DOT})
+
+
+# --- what a GPU costs beyond its rooflines: launches, loop trips, copy latency, shared host memory, NCCL ------
+
+LAUNCH, TRIP, LATENCY = 5e-6, 7e-6, 3e-6
+OVERHEADS = dataclasses.replace(HW, name="round figures with overheads", launch_seconds=LAUNCH,
+                                while_trip_seconds=TRIP, copy_latency_seconds=LATENCY)
+TINY = "f32[2]{0}"
+TINY_KERNEL = 2 * 8 / HW.hbm_bandwidth  # reads 8 bytes, writes 8: 0.16 ns
+
+
+def tiny_kernels(count: int) -> str:
+  """``count`` kernels one after the other, each negating an 8-byte vector."""
+  lines = [f"%a = {TINY} parameter(0)"] + [f"%n{j} = {TINY} negate(%{'a' if j == 0 else f'n{j - 1}'})"
+                                           for j in range(count)]
+  return module("\n  ".join(lines[:-1] + ["ROOT " + lines[-1]]))
+
+
+def test_a_thousand_tiny_kernels_take_a_launch_each():
+  t = step_time.estimate(tiny_kernels(1000), OVERHEADS)
+  # The host issues kernel j at (j + 1) launches; each runs as soon as it is issued (0.16 ns < 5 us).
+  assert t.seconds == pytest.approx(1000 * LAUNCH + TINY_KERNEL, rel=1e-9)
+  assert t.launches == t.kernels == 1000 and t.launch_time == pytest.approx(1000 * LAUNCH)
+  assert t.lower_bound == pytest.approx(1000 * LAUNCH) and t.compute == pytest.approx(1000 * TINY_KERNEL)
+  assert t.launch_wait == pytest.approx(LAUNCH + 999 * (LAUNCH - TINY_KERNEL))
+  assert not t.command_buffers_read
+
+
+def test_a_command_buffer_launches_its_kernels_at_once():
+  names = frozenset(f"n{j}" for j in range(1000))
+  plan = gpu_compile.CommandBuffers(members=names, launched_at=frozenset({"n0"}), buffers=1)
+  t = step_time.estimate(tiny_kernels(1000), OVERHEADS, plan)
+  assert t.seconds == pytest.approx(LAUNCH + 1000 * TINY_KERNEL, rel=1e-9)
+  assert t.launches == 1 and t.kernels == 1000 and t.command_buffers_read
+
+
+def test_kernels_longer_than_a_launch_hide_the_launches_after_the_first():
+  lines = "\n  ".join(f"%k{j} = {M} fusion(%{'a' if j == 0 else f'k{j - 1}'}, %a), kind=kCustom, calls=%fused_dot"
+                      for j in range(999))
+  t = step_time.estimate(module(f"%a = {M} parameter(0)\n  {lines}\n  ROOT %k999 = {M} fusion(%k998, %a), "
+                                f"kind=kCustom, calls=%fused_dot", FUSED_DOT), OVERHEADS)
+  assert t.seconds == pytest.approx(LAUNCH + 1000 * DOT, rel=1e-9) and t.launch_wait == pytest.approx(LAUNCH)
+
+
+def test_the_host_runs_ahead_of_a_long_kernel_by_at_most_its_launch_queue():
+  # One 2 ms matmul, then 2,000 tiny kernels launched 5 us apart: 10 ms of launches.
+  tiny = "\n  ".join(f"%n{j} = {TINY} negate(%{'v' if j == 0 else f'n{j - 1}'})" for j in range(2000))
+  text = module(f"""
+  %a = {M} parameter(0)
+  %v = {TINY} parameter(1)
+  %k = {M} fusion(%a, %a), kind=kCustom, calls=%fused_dot
+  {tiny}
+  ROOT %t = ({M}, {TINY}) tuple(%k, %n1999)""", FUSED_DOT)
+  unbounded, queued = (step_time.estimate(text, dataclasses.replace(OVERHEADS, launch_queue=q)) for q in (10**6, 100))
+  # Without a bound the host keeps launching while the matmul runs: 2,001 launches are the step.
+  assert unbounded.seconds == pytest.approx(2001 * LAUNCH + TINY_KERNEL, rel=1e-9)
+  # With 100 places the host stops at the 102nd launch until the second kernel starts (after the matmul), then
+  # launches the last 1,900 one by one.
+  assert queued.seconds == pytest.approx(LAUNCH + DOT + 1900 * LAUNCH + TINY_KERNEL, rel=1e-9)
+
+
+SMALL = "f32[1024]{0}"  # 4 KB
+HOST_SMALL = "f32[1024]{0:S(5)}"
+
+
+def copies_in(count: int) -> str:
+  """A loop of ``count`` trips, each bringing 4 KB in from host memory and waiting for it."""
+  carried = f"(s32[], {HOST_M}, {HOST_SMALL}, {SMALL})"
+  return loop_module(f"""
+  %s = {HOST_SMALL} get-tuple-element(%arg), index=2
+  %cs = ({SMALL}, {HOST_SMALL}, u32[]) copy-start(%s)
+  %cd = {SMALL} copy-done(%cs)
+  ROOT %next = {carried} tuple(%i, %h, %s, %cd)""", count,
+                     f"  %small = {HOST_SMALL} parameter(2)\n  %d = {SMALL} parameter(3)\n"
+                     f"  %init = {carried} tuple(%zero, %h, %small, %d)", carried)
+
+
+def test_a_thousand_small_copies_pay_their_latency_each():
+  no_launch = dataclasses.replace(OVERHEADS, launch_seconds=0)
+  t = step_time.estimate(copies_in(1000), no_launch)
+  copy = LATENCY + 4096 / HW.pcie_bandwidth  # 3 us + 4.1 us
+  assert t.seconds == pytest.approx(1000 * copy, rel=1e-9) and t.bus_in == pytest.approx(1000 * copy, rel=1e-9)
+  assert t.loop_trips == 1000 and t.launches == 1000  # each copy is issued (at no cost here)
+  with_launch = step_time.estimate(copies_in(1000), OVERHEADS)
+  # The host issues every copy 5 us after the one before, ahead of the link: only the first launch shows.
+  assert with_launch.seconds == pytest.approx(LAUNCH + 1000 * copy, rel=1e-9)
+
+
+def tiny_loop(trips: int, known: bool = True) -> str:
+  carried = f"(s32[], {HOST_M}, {TINY})"
+  text = loop_module(f"""
+  %v = {TINY} get-tuple-element(%arg), index=2
+  %n = {TINY} negate(%v)
+  ROOT %next = {carried} tuple(%i, %h, %n)""", trips, f"  %v0 = {TINY} parameter(2)\n  %init = {carried} tuple(%zero, %h, %v0)",
+                     carried)
+  return text if known else text.replace(f', backend_config={{"known_trip_count":{{"n":"{trips}"}}}}', "")
+
+
+def test_a_loop_of_many_short_trips_is_bound_by_the_host():
+  t = step_time.estimate(tiny_loop(1000), OVERHEADS)
+  # XLA knows the trip count: the host launches each trip's kernel without waiting for the device.
+  assert t.seconds == pytest.approx(1000 * LAUNCH + TINY_KERNEL, rel=1e-9)
+  assert t.loop_trips == 1000 and t.launches == 1000
+  (loop,) = t.loops
+  assert (loop.trips, loop.launches) == (1000, 1000)
+
+
+def test_a_loop_run_from_a_command_buffer_costs_one_launch():
+  plan = gpu_compile.CommandBuffers(members=frozenset({"w", "n"}), launched_at=frozenset({"w"}),
+                                  captured_loops=frozenset({"w"}), buffers=1)
+  t = step_time.estimate(tiny_loop(1000), OVERHEADS, plan)
+  assert t.seconds == pytest.approx(LAUNCH + 1000 * TINY_KERNEL, rel=1e-9)
+  assert t.launches == 1 and t.loop_trips == 0  # the device runs the trips
+
+
+def test_a_trip_of_unknown_count_waits_for_its_predicate_on_the_host():
+  t = step_time.estimate(tiny_loop(1000, known=False), OVERHEADS)
+  # One trip (its count unknown): the condition's kernel (launched; compare(i, i) reads 2 x 4 bytes, writes 1),
+  # its predicate copied back and waited for, then the body's kernel launched.
+  condition = (2 * 4 + 1) / HW.hbm_bandwidth
+  assert t.unknown_trip_counts == 1 and t.loop_trips == 1 and t.launches == 2
+  assert t.seconds == pytest.approx(LAUNCH + condition + LATENCY + TRIP + LAUNCH + TINY_KERNEL, rel=1e-9)
+
+
+BIG = "f32[100000000]{0}"  # 400 MB
+HOST_BIG = "f32[100000000]{0:S(5)}"
+NODE = dataclasses.replace(HW, name="8 GPUs at 1 GB/s each way sharing 4 GB/s of host memory",
+                           host_memory_bandwidth=4e9, gpus_per_node=8)
+
+
+@pytest.mark.parametrize("gpus,expected", [(1, 0.4), (2, 0.4), (8, 0.8)])
+def test_a_copy_is_bound_by_the_link_or_by_its_gpus_share_of_host_memory(gpus, expected):
+  text = module(f"""
+  %h = {HOST_BIG} parameter(0)
+  %cs = ({BIG}, {HOST_BIG}, u32[]) copy-start(%h)
+  ROOT %cd = {BIG} copy-done(%cs)""")
+  t = step_time.estimate(text, dataclasses.replace(NODE, gpus_per_node=gpus))
+  # 400 MB: 0.4 s over the 1 GB/s link; through host memory, 400 MB / (4 GB/s / gpus).
+  assert t.seconds == pytest.approx(max(4e8 / 1e9, 4e8 / (4e9 / gpus))) == expected
+  assert t.bus_in == pytest.approx(0.4) and t.host_memory == pytest.approx(4e8 / (4e9 / gpus))
+
+
+def test_eight_gpus_copying_both_ways_share_the_node_host_memory():
+  text = module(f"""
+  %h = {HOST_BIG} parameter(0)
+  %d = {BIG} parameter(1)
+  %in = ({BIG}, {HOST_BIG}, u32[]) copy-start(%h)
+  %out = ({HOST_BIG}, {BIG}, u32[]) copy-start(%d)
+  %d1 = {BIG} copy-done(%in)
+  %d2 = {HOST_BIG} copy-done(%out)
+  ROOT %t = ({BIG}, {HOST_BIG}) tuple(%d1, %d2)""")
+  alone, node = (step_time.estimate(text, dataclasses.replace(NODE, gpus_per_node=g)) for g in (1, 8))
+  assert alone.seconds == pytest.approx(0.4)  # 800 MB through 4 GB/s of host memory: 0.2 s, under the links' 0.4
+  assert node.seconds == pytest.approx(8e8 / 0.5e9) and node.lower_bound == pytest.approx(1.6)  # 0.5 GB/s each
+
+
+def test_nccl_reaches_its_share_of_nvlink():
+  text = module("""
+  %x = f32[1000000]{0} parameter(0)
+  ROOT %y = f32[8000000]{0} all-gather(%x), replica_groups=[1,8]<=[8], dimensions={0}""")
+  t = step_time.estimate(text, dataclasses.replace(HW, nccl_efficiency=0.8))
+  assert t.collectives == pytest.approx(7 / 8 * 32e6 / (0.8 * HW.nvlink_bandwidth))
+
+
+@pytest.mark.parametrize("groups,size", [
+    ("mesh['axis_0'=8,'axis_1'=1] {'axis_0'}", 8),  # what the SPMD partitioner writes
+    ("mesh['axis_0'=2,'axis_1'=4] {'axis_1'}", 4),
+    ("mesh['axis_0'=2,'axis_1'=4] {'axis_0','axis_1'}", 8),
+    ("{{0,1,2,3},{4,5,6,7}}", 4),
+    ("[2,4]<=[4,2]T(1,0)", 4),
+    ("{}", 8),  # every device of the program (num_partitions=8)
+])
+def test_every_form_of_replica_groups_is_read(groups, size):
+  text = module(f"""
+  %x = f32[1000000]{{0}} parameter(0)
+  ROOT %y = f32[1000000]{{0}} all-reduce(%x), replica_groups={groups}, to_apply=%add""").replace(
+      "HloModule m, is_scheduled=true", "HloModule m, is_scheduled=true, num_partitions=8")
+  t = estimate(text)
+  assert t.collectives == pytest.approx(2 * (size - 1) / size * 4e6 / HW.nvlink_bandwidth)
+
+
+THUNK_SEQUENCE = """\
+001: kCopy          [source       | next=002 (1)] kCopy
+002: kWhile         [prev=001 (1) | next=000 (1)]
+condition:
+    003: kCustomKernel [source | sink] loop_compare_fusion grid: [1, 1, 1]
+  body:
+    000: kCommandBuffer [source | sink]
+        004: kCustomKernel [source       | next=005 (1)] loop_add_fusion grid: [2, 1, 1]
+        005: kCustomKernel [prev=004 (1) | sink        ] loop_slice_fusion grid: [1, 1, 1]
+000: kCommandBuffer [prev=002 (1) | sink        ]
+    006: kCustomKernel [source       | next=007 (1)] loop_multiply_fusion grid: [2, 1, 1]
+    007: kWhile        [prev=006 (1) | sink        ]
+    condition:
+        008: kCustomKernel [source | sink] loop_compare_fusion_1 grid: [1, 1, 1]
+      body:
+        009: kCustomKernel [source | sink] loop_negate_fusion grid: [1, 1, 1]
+"""
+THUNK_NAMES = {1: "copy.1", 2: "while.2", 3: "compare.3", 4: "add.4", 5: "slice.5", 6: "mul.6", 7: "while.7",
+               8: "compare.8", 9: "neg.9"}
+
+
+def test_the_thunk_plan_names_what_runs_from_command_buffers():
+  metadata = "".join(f'thunk_metadata {{\n  thunk_info {{\n    profile_annotation: "{name}"\n    thunk_id: {i}\n  }}\n'
+                     f'  thunk_kind: "k"\n}}\n' for i, name in THUNK_NAMES.items())
+  plan = gpu_compile.parse_thunk_plan(THUNK_SEQUENCE, metadata)
+  # The first loop is driven by the host, its body one command buffer (launched at add.4 each trip); the
+  # second command buffer holds a loop whose trips the device runs.
+  assert plan.members == {"add.4", "slice.5", "mul.6", "while.7", "compare.8", "neg.9"}
+  assert plan.launched_at == {"add.4", "mul.6"} and plan.captured_loops == {"while.7"} and plan.buffers == 2

@@ -13,8 +13,8 @@ bench = load_script("benchmarks/step_time.py")
 
 def figures(layers, batch, **values):
   base = dict(setup="s", layers=layers, batch=batch, params=0, device_bytes=0, host_bytes=0, to_device=0,
-              to_host=0, seconds=0.0, compute=0.0, bus_in=0.0, bus_out=0.0, host=0.0, collectives=0.0, bus_busy=0.0,
-              bus_hidden=0.0, flops=0.0)
+              to_host=0, seconds=0.0, compute=0.0, bus_in=0.0, bus_out=0.0, host=0.0, host_memory=0.0, collectives=0.0,
+              launch_time=0.0, launch_wait=0.0, launches=0, loop_trips=0, bus_busy=0.0, bus_hidden=0.0, flops=0.0)
   return dict(base, **values)
 
 
@@ -47,6 +47,8 @@ def test_a_setup_without_bus_has_no_covering_batch():
   assert bench.covering_batch(NoBus(), "s", 32, [1, 16]) is None
 
 
-def test_the_lower_bound_counts_the_host_cpu_too():
-  a, b = figures(4, 1, compute=0.5, bus_in=0.8, host=1.0), figures(8, 1, compute=1.0, bus_in=1.2, host=3.0)
-  assert bench.at_depth(a, b, 16)["lower_bound"] == 7.0  # the host: 1 + 12 x 0.5
+def test_the_lower_bound_counts_host_memory_and_launches_too():
+  a, b = figures(4, 1, compute=0.5, bus_in=0.8, host_memory=1.0), figures(8, 1, compute=1.0, bus_in=1.2, host_memory=3.0)
+  assert bench.at_depth(a, b, 16)["lower_bound"] == 7.0  # host memory: 1 + 12 x 0.5
+  a, b = figures(4, 1, compute=0.5, launch_time=1.0), figures(8, 1, compute=1.0, launch_time=2.0)
+  assert bench.at_depth(a, b, 16)["lower_bound"] == 4.0  # the host's launches: 1 + 12 x 0.25

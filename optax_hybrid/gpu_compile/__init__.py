@@ -49,6 +49,9 @@ The package's modules, none of which the optimizer imports:
 * :mod:`~optax_hybrid.gpu_compile.hlo`: reading the optimized HLO
   (:func:`count_hlo`, :func:`loop_transfers`...) and counting the Pallas
   launches of a lowered program (:func:`gpu_launches`).
+* :mod:`~optax_hybrid.gpu_compile.thunks`: which instructions XLA runs from
+  command buffers (CUDA graphs), read from the thunk plan it writes at
+  compile time (:class:`CommandBuffers`).
 * :mod:`~optax_hybrid.gpu_compile.step_time`: the step time estimated from
   the compiled schedule.
 * :mod:`~optax_hybrid.gpu_compile.jaxpr_check`:
@@ -57,7 +60,7 @@ The package's modules, none of which the optimizer imports:
   as ``optax_hybrid.host_arithmetic_outside_host_compute``).
 """
 
-from optax_hybrid.gpu_compile import hlo, step_time, targets
+from optax_hybrid.gpu_compile import hlo, step_time, targets, thunks
 from optax_hybrid.gpu_compile.deviceless import compile_for_gpu, compile_lowered
 from optax_hybrid.gpu_compile.hlo import (
     HloInstruction,
@@ -65,6 +68,7 @@ from optax_hybrid.gpu_compile.hlo import (
     LoopTransfers,
     array_bytes,
     array_dims,
+    collective_group_size,
     collective_of,
     collective_payload,
     count_hlo,
@@ -73,6 +77,7 @@ from optax_hybrid.gpu_compile.hlo import (
     in_host_memory,
     is_host_call,
     loop_transfers,
+    module_devices,
     parse_hlo,
     transfer_of,
 )
@@ -80,6 +85,7 @@ from optax_hybrid.gpu_compile.jaxpr_check import host_arithmetic_outside_host_co
 from optax_hybrid.gpu_compile.plugin import GpuCompileError, cuda_plugin_dir, install_cuda_plugin
 from optax_hybrid.gpu_compile.report import GpuCompileReport
 from optax_hybrid.gpu_compile.targets import load_target, target_device_memory_bytes
+from optax_hybrid.gpu_compile.thunks import CommandBuffers, parse_thunk_plan, read_command_buffers
 
 # Bound here as well as imported: Sphinx reads a constant's docstring from the module that documents it.
 TARGETS = targets.TARGETS
@@ -92,6 +98,7 @@ COLLECTIVE_OPS = hlo.COLLECTIVE_OPS
 __all__ = [
     "BOOKKEEPING_OPS",
     "COLLECTIVE_OPS",
+    "CommandBuffers",
     "GpuCompileError",
     "GpuCompileReport",
     "HloInstruction",
@@ -100,6 +107,7 @@ __all__ = [
     "TARGETS",
     "array_bytes",
     "array_dims",
+    "collective_group_size",
     "collective_of",
     "collective_payload",
     "compile_for_gpu",
@@ -114,8 +122,12 @@ __all__ = [
     "is_host_call",
     "load_target",
     "loop_transfers",
+    "module_devices",
     "parse_hlo",
+    "parse_thunk_plan",
+    "read_command_buffers",
     "step_time",
     "target_device_memory_bytes",
+    "thunks",
     "transfer_of",
 ]

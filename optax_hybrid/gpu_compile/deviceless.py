@@ -14,6 +14,7 @@ from optax_hybrid import _compat
 from optax_hybrid.gpu_compile.plugin import topology_devices
 from optax_hybrid.gpu_compile.report import GpuCompileReport, report_of
 from optax_hybrid.gpu_compile.targets import load_target
+from optax_hybrid.gpu_compile.thunks import read_command_buffers
 from optax_hybrid.kernels.contract import lowering_for
 
 __all__ = ["compile_for_gpu", "compile_lowered"]
@@ -142,15 +143,18 @@ def compile_lowered(lowered: Any, target: str = "h100", num_devices: int = 1) ->
   """
   devices = topology_devices(load_target(target), num_devices)
   module = lowered.compiler_ir("stablehlo")
-  options = _compat.xla_compile_options(num_devices, devices)
   log: list = []
-  try:
-    with _captured_stderr() as log:
-      executable = devices[0].client.compile(module, executable_devices=_compat.xla_device_list(devices),
-                                             compile_options=options)
-  except Exception as e:
-    if log and log[0].strip():
-      e.add_note("XLA's log during the compile:\n" + log[0].strip())
-    raise
+  # XLA writes its thunk plan (which kernels run from command buffers) only into a dump: one per compile.
+  with tempfile.TemporaryDirectory(prefix="optax_hybrid_gpu_dump_") as dump_dir:
+    options = _compat.xla_compile_options(num_devices, devices, dump_to=dump_dir)
+    try:
+      with _captured_stderr() as log:
+        executable = devices[0].client.compile(module, executable_devices=_compat.xla_device_list(devices),
+                                               compile_options=options)
+    except Exception as e:
+      if log and log[0].strip():
+        e.add_note("XLA's log during the compile:\n" + log[0].strip())
+      raise
+    command_buffers = read_command_buffers(dump_dir)
   log = log[0] if log else ""
-  return report_of(executable, target, num_devices, log)
+  return report_of(executable, target, num_devices, log, command_buffers)

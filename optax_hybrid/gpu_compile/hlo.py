@@ -10,6 +10,7 @@ lowered for CUDA, before any compile.
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 
 __all__ = [
@@ -20,6 +21,7 @@ __all__ = [
     "LoopTransfers",
     "array_bytes",
     "array_dims",
+    "collective_group_size",
     "collective_of",
     "collective_payload",
     "count_hlo",
@@ -28,6 +30,7 @@ __all__ = [
     "in_host_memory",
     "is_host_call",
     "loop_transfers",
+    "module_devices",
     "parse_hlo",
     "transfer_of",
 ]
@@ -215,6 +218,54 @@ def collective_payload(ins: HloInstruction, shapes: dict) -> int:
   return max(array_bytes(part) for part in parts)
 
 
+def module_devices(text: str) -> int:
+  """The devices one program of the module runs on together: its ``replica_count`` times its ``num_partitions``.
+
+  Read from the ``HloModule`` line (XLA leaves out a count of 1).
+  """
+  header = next((line for line in text.splitlines() if line.startswith("HloModule")), "")
+  counts = [re.search(key + r"=(\d+)", header) for key in ("replica_count", "num_partitions")]
+  return math.prod(int(c.group(1)) for c in counts if c)
+
+
+# mesh[<axis sizes>][, device_ids=(<iota>)] {<axes grouped>}
+_MESH_GROUPS = re.compile(r"replica_groups=mesh\[([^\]]*)\][^{]*\{([^{}]*)\}")
+
+
+def collective_group_size(rest: str, devices: int) -> int:
+  """How many devices take part in each group of a collective, from its ``replica_groups``.
+
+  XLA prints the groups in several forms, all read here:
+
+  * explicit lists, ``replica_groups={{0,1,2,3},{4,5,6,7}}``: the first group's length;
+  * iota, ``replica_groups=[2,4]<=[8]`` (or ``<=[4,2]T(1,0)``): the second dimension;
+  * mesh axes, ``replica_groups=mesh['axis_0'=8,'axis_1'=1] {'axis_0'}`` or
+    ``mesh['axis_0'=1,'axis_1'=4,'axis_2'=2], device_ids=([2,4]T(1,0)) {'axis_1'}``
+    (collectives the SPMD partitioner inserts): the product of the sizes of
+    the axes named in braces (a sub-axis ``'axis_0':(1)2`` by its own size);
+  * none, ``replica_groups={}``: every device of the program.
+
+  Args:
+    rest: the collective's text after its opcode (:attr:`HloInstruction.rest`).
+    devices: the program's devices (:func:`module_devices`), for ``{}``.
+
+  Returns:
+    The group size (``devices`` when the instruction has no groups).
+  """
+  mesh = _MESH_GROUPS.search(rest)
+  if mesh:
+    sizes = {name: int(size) for name, size in re.findall(r"'([^']+)'=(\d+)", mesh.group(1))}
+    named = re.findall(r"'([^']+)'(?::\(\d+\)(\d+))?", mesh.group(2))
+    return math.prod(int(sub) if sub else sizes.get(name, 1) for name, sub in named)
+  iota = re.search(r"replica_groups=\[\d+,(\d+)\]<=", rest)
+  if iota:
+    return int(iota.group(1))
+  groups = re.search(r"replica_groups=\{\{([\d,]*)\}", rest)
+  if groups:
+    return len([g for g in groups.group(1).split(",") if g])
+  return devices
+
+
 def _top_level(shape: str) -> list[str]:
   """The elements of a tuple shape ``(a, (b, c), d)``; ``[shape]`` for an array shape."""
   shape = shape.strip()
@@ -333,9 +384,12 @@ def count_hlo(text: str) -> HloSummary:
     results: a compile-time proxy for the memory traffic. It overcounts
     in-place updates of part of a buffer and ignores caching.
   * ``collective_bytes``: per collective (``all-gather``, ``reduce-scatter``,
-    ``all-reduce``...), the bytes of the buffers it gathers, scatters or
-    reduces on each GPU (the larger of its operands and its result), an
-    instruction inside a ``while`` body once per trip.
+    ``all-reduce``...), the bytes of the whole buffer it gathers, scatters or
+    reduces, as one GPU holds it (the larger of its operands and its result):
+    an all-gather's *result*, a reduce-scatter's *operand*, an all-reduce's
+    operand (its result's size); an instruction inside a ``while`` body once
+    per trip. What crosses NVLink is a ring's share of it (``(n - 1) / n``,
+    twice for an all-reduce): :mod:`optax_hybrid.gpu_compile.step_time`.
   * ``to_device_bytes``, ``to_host_bytes``: the bytes that cross the
     host-device link per step in each direction: each transfer's payload (a
     ``copy-start``'s operand; a slice copy's slice; a synchronous transfer's

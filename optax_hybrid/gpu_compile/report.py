@@ -8,6 +8,7 @@ from typing import Any
 from optax_hybrid import _compat
 from optax_hybrid.gpu_compile.hlo import HloSummary, count_hlo
 from optax_hybrid.gpu_compile.step_time import HARDWARE, Hardware, StepTime, estimate
+from optax_hybrid.gpu_compile.thunks import CommandBuffers
 
 __all__ = ["GpuCompileReport", "report_of"]
 
@@ -46,6 +47,9 @@ class GpuCompileReport(HloSummary):
       writes them (``"{devices=[1,8,1]<=[8]}"``, ``"{replicated}"``): a
       result replicated where its argument was split means every GPU holds
       it whole.
+    command_buffers: the instructions XLA runs from command buffers (CUDA
+      graphs), read from the thunk plan it wrote for this compile
+      (:mod:`optax_hybrid.gpu_compile.thunks`); None when it wrote none.
   """
 
   target: str
@@ -63,6 +67,7 @@ class GpuCompileReport(HloSummary):
   hlo: str = dataclasses.field(repr=False)
   parameter_shardings: tuple[str, ...] = ()
   output_shardings: tuple[str, ...] = ()
+  command_buffers: CommandBuffers | None = dataclasses.field(default=None, repr=False)
 
   @property
   def device_peak_bytes(self) -> int:
@@ -88,11 +93,12 @@ class GpuCompileReport(HloSummary):
         raise ValueError(f"No hardware figures for target {self.target!r}: pass `hardware=` "
                          "(an optax_hybrid.gpu_compile.step_time.Hardware).")
       hardware = self.target
-    return estimate(self.hlo, hardware)
+    return estimate(self, hardware)
 
   def as_dict(self) -> dict:
     """The figures as a JSON-friendly dict (no HLO, no log)."""
-    out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in ("hlo", "log")}
+    out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+           if f.name not in ("hlo", "log", "command_buffers")}
     out["warnings"] = list(self.warnings)
     out["parameter_shardings"], out["output_shardings"] = list(self.parameter_shardings), list(self.output_shardings)
     out["device_peak_bytes"] = self.device_peak_bytes
@@ -100,13 +106,15 @@ class GpuCompileReport(HloSummary):
     return out
 
 
-def report_of(executable: Any, target: str, num_devices: int, log: str) -> GpuCompileReport:
+def report_of(executable: Any, target: str, num_devices: int, log: str,
+              command_buffers: CommandBuffers | None = None) -> GpuCompileReport:
   """The report of a compiled executable: its memory statistics, its optimized HLO's counts, XLA's log.
 
   Args:
     executable: what the compile-only client compiled (``LoadedExecutable``).
     target, num_devices: what it was compiled for.
     log: what XLA wrote to stderr during the compile.
+    command_buffers: what XLA's thunk plan runs from command buffers (None: unknown).
 
   Returns:
     A :class:`GpuCompileReport`.
@@ -124,7 +132,7 @@ def report_of(executable: Any, target: str, num_devices: int, log: str) -> GpuCo
       host_temp_bytes=stats.host_temp_size_in_bytes, host_alias_bytes=stats.host_alias_size_in_bytes,
       parameter_shardings=_sharding_texts(executable.get_parameter_shardings()),
       output_shardings=_sharding_texts(executable.get_output_shardings()),
-      warnings=warnings, log=log, hlo=hlo)
+      warnings=warnings, log=log, hlo=hlo, command_buffers=command_buffers)
 
 
 def _sharding_texts(op_shardings: Any) -> tuple[str, ...]:
