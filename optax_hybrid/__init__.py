@@ -1,55 +1,44 @@
 """optax_hybrid: Optax optimizers whose state can live in host memory, on the host CPU or on disk.
 
-Public API:
+Public API (``__all__``: what a training script calls):
 
 * :func:`hybrid_adamw` (AdamW, HybridAdam / ``optax.adamw`` / torch
-  semantics) and one ``hybrid_<rule>`` per update rule of
-  :mod:`optax_hybrid.rules` (``hybrid_lion``, ``hybrid_sgd``...): each takes its
-  Optax counterpart's arguments, then the engine's keyword-only placement,
-  storage and kernel options (:mod:`optax_hybrid.options`); a new rule
-  implements the contract of :mod:`optax_hybrid.base` (``UpdateRule``).
-* :func:`scale_by_hybrid_adam`: Adam's direction without the learning rate.
+  semantics) and one ``hybrid_<rule>`` per update rule (``hybrid_lion``,
+  ``hybrid_sgd``, ``hybrid_adagrad``): each takes its Optax counterpart's
+  arguments, then a few keyword-only placement, storage and kernel options
+  (``state_memory_kind``, ``moment_format``, ``master``, ...; one argument per
+  choice: docs/optimizer.md); :func:`scale_by_hybrid_adam`: Adam's direction
+  without the learning rate; :func:`by_fraction`: a placement by size.
 * :class:`HybridOptimizer`: what they return; adds the fused
-  ``step(params, state, grads)``. ``HybridAdamW``, its name before every rule
-  shared the engine, is a deprecated alias (a ``DeprecationWarning``).
-* :class:`HybridAdamState` and one state type per rule (``count``, the rule's
-  fields, ``skipped``, ``master``, ``plan``).
-* :func:`moment_values`: the rule's state as float trees shaped like the params
-  (8-bit values dequantized, disk values read).
-* :func:`warmup_cosine_schedule`: linear warmup then a cosine to a floor.
-* :func:`apply_updates`: ``optax.apply_updates`` that is correct for params in
-  any memory kind.
-* :func:`commit`: commits what a jitted step takes (params, state, a
-  ``TrainState``, an NNX model and optimizer), so that a step with state in
-  host memory compiles once.
-* :func:`scan_layers`: ``jax.lax.scan`` over stacked layers that may live in
-  host memory: one layer on the device at a time, the gradient written where
-  the layers live (:mod:`optax_hybrid.streaming`).
-* :func:`step_in_backward`: a train step whose optimizer steps each streamed
-  layer inside the backward pass, so no gradient of the layers is kept.
-* :func:`flatten_params` / :class:`FlatParams`: a many-leaf model's params in
-  a few flat buffers (one per dtype, placement and group), read through
-  ``FlatParams.as_tree()`` views, so that a step passes a few large buffers
-  (:mod:`optax_hybrid.flat_params`).
-* :func:`host_arithmetic_outside_host_compute`: finds device arithmetic on
-  host-resident values in a jaxpr (from :mod:`optax_hybrid.gpu_compile`).
-* :mod:`optax_hybrid.checkpoint`: Orbax save/restore that keeps memory kinds.
-* :func:`memory_report` / :class:`MemoryReport`: where training memory went,
-  by tier and by memory (device, host, disk).
-* :func:`clip_by_global_norm` / :func:`global_norm`: Optax's, for gradients
-  in any memory kind (host memory included), to chain in front of an optimizer.
+  ``step(params, state, grads)``; :class:`HybridAdamState` and one state type
+  per rule; :func:`moment_values`: the rule's state as float trees shaped
+  like the params (8-bit values dequantized, disk values read).
 * :func:`standard_optimizer`: clipping, AdamW with warmup-cosine,
-  accumulation and parameter groups in one call; :func:`last_learning_rate`
-  reads the rate of the latest update from its state.
-* :mod:`optax_hybrid.masters`: the master weight formats of ``master=``
-  (``"float32"``, ``"kahan"``, ``"stochastic"``).
-* :mod:`optax_hybrid.tiers` and :mod:`optax_hybrid.disk`: placement tiers and
-  the disk tier; :mod:`optax_hybrid.plan`: every per-leaf decision ``init``
-  makes (``state.plan``).
-* :mod:`optax_hybrid.gpu_compile`: compile a step for an H100/H200 without a
-  GPU and read what XLA planned, and estimate its step time
-  (:mod:`optax_hybrid.gpu_compile.step_time`); compiling needs JAX's CUDA
-  plugin: ``gpu_compile.install_cuda_plugin()``.
+  accumulation and parameter groups in one call; :func:`last_learning_rate`,
+  :func:`warmup_cosine_schedule`.
+* :func:`apply_updates`, :func:`clip_by_global_norm`, :func:`global_norm`:
+  Optax's, for params and gradients in any memory kind; :func:`commit`:
+  commits what a jitted step takes, so that a step with state in host memory
+  compiles once (the first such step says so when it is needed);
+  :func:`available_memory_kinds`.
+* :func:`scan_layers` and :func:`step_in_backward`: layers streamed from host
+  memory, the optimizer inside the backward pass; :func:`split_stack` /
+  :class:`SplitStack` / :func:`join_stack`: a stack of layers split between
+  device and host memory; :func:`flatten_params` /
+  :class:`FlatParams`: a many-leaf model's params in a few flat buffers.
+* :mod:`optax_hybrid.checkpoint`: Orbax save/restore that keeps memory kinds;
+  :func:`memory_report` / :class:`MemoryReport`: where training memory went;
+  :func:`host_arithmetic_outside_host_compute`: a check of a train step's jaxpr.
+
+The modules below are the engine's parts, importable and documented for those
+who extend it (a new rule implements :mod:`optax_hybrid.base`'s
+``UpdateRule``) or read what ``init`` decided (:mod:`optax_hybrid.plan`,
+:mod:`optax_hybrid.tiers`, :mod:`optax_hybrid.masters`,
+:mod:`optax_hybrid.options`, :mod:`optax_hybrid.disk`); they are not in
+``__all__``, as Optax keeps its own under ``optax._src``.
+:mod:`optax_hybrid.gpu_compile` (imported on its own: it needs JAX's CUDA
+plugin, ``gpu_compile.install_cuda_plugin()``) compiles a step for an
+H100/H200 without a GPU and estimates its step time.
 """
 
 import warnings as _warnings
@@ -67,6 +56,7 @@ from optax_hybrid.recipe import last_learning_rate, standard_optimizer
 from optax_hybrid.report import MemoryReport, memory_report
 from optax_hybrid.schedules import warmup_cosine_schedule
 from optax_hybrid.stacks import SplitStack, join_stack, split_stack
+from optax_hybrid.tiers import by_fraction
 from optax_hybrid.streaming import scan_layers, step_in_backward
 from optax_hybrid.rules.adagrad import HybridAdagradState, hybrid_adagrad
 from optax_hybrid.rules.adamw import HybridAdamState, hybrid_adamw, scale_by_hybrid_adam
@@ -78,6 +68,8 @@ from optax_hybrid.gpu_compile.jaxpr_check import host_arithmetic_outside_host_co
 
 __version__ = "0.1.0"
 
+# What users call. The modules stay importable (optax_hybrid.plan, .tiers, ...) and have API pages, but
+# they are the engine's parts, not its interface (as optax keeps its own under optax._src).
 __all__ = [
     "FlatParams",
     "HybridAdagradState",
@@ -86,40 +78,28 @@ __all__ = [
     "HybridOptimizer",
     "HybridSgdState",
     "MemoryReport",
-    "STATE_MEMORY_KINDS",
     "SplitStack",
-    "StepInParts",
     "apply_updates",
+    "available_memory_kinds",
+    "by_fraction",
     "checkpoint",
     "clip_by_global_norm",
     "commit",
-    "disk",
-    "flat_params",
     "flatten_params",
     "global_norm",
-    "last_learning_rate",
-    "masters",
-    "memory_report",
-    "moment_values",
-    "options",
-    "plan",
-    "recipe",
-    "report",
-    "rules",
-    "stacks",
-    "standard_optimizer",
-    "tiers",
-    "available_memory_kinds",
-    "base",
     "host_arithmetic_outside_host_compute",
     "hybrid_adagrad",
     "hybrid_adamw",
     "hybrid_lion",
     "hybrid_sgd",
     "join_stack",
+    "last_learning_rate",
+    "memory_report",
+    "moment_values",
     "scale_by_hybrid_adam",
     "scan_layers",
     "split_stack",
+    "standard_optimizer",
     "step_in_backward",
     "warmup_cosine_schedule",
 ]

@@ -602,7 +602,7 @@ def restore(checkpoint_manager, like: Any, step: int | None = None, *,
     >>> manager = optax_hybrid.checkpoint.manager(tempfile.mkdtemp())
     >>> tx = optax_hybrid.hybrid_adamw(1e-3)
     >>> saved = optax_hybrid.checkpoint.save(manager, 1, {"params": params, "opt": tx.init(params)}, wait=True)
-    >>> tx_with_master = optax_hybrid.hybrid_adamw(1e-3, master_dtype=jnp.float32)
+    >>> tx_with_master = optax_hybrid.hybrid_adamw(1e-3, master="float32")
     >>> restored = optax_hybrid.checkpoint.restore(
     ...     manager, like={"params": params, "opt": tx_with_master.init(params)},
     ...     masters_from=lambda restored: restored["params"])
@@ -648,10 +648,10 @@ def _restore_step(checkpoint_manager, like: Any, step: int, masters_from: Any) -
   if missing and masters_from is None:
     raise ValueError(
         f"checkpoint.restore: checkpoint step {step} has no master weights for {_first_names(missing)}"
-        f" (saved without master_dtype, or those leaves kept none), but "
+        f" (saved without master weights, or those leaves kept none), but "
         "`like` keeps them. Pass masters_from=lambda restored: restored['params'] (a function of the restored "
         "tree that returns the params) to build each master from its restored param, as init does; or restore "
-        "into a state made without master_dtype.")
+        "into a state made without master weights.")
   converted = [name for r in states.values() for name in r.converted_masters()]
   if converted and masters_from is None:
     raise ValueError(

@@ -91,7 +91,7 @@ def files_of(state: Any, field: str = "mu") -> Any:
 
   Example:
     >>> import jax.numpy as jnp, optax_hybrid
-    >>> tx = optax_hybrid.hybrid_adamw(1e-3, tiers="disk")
+    >>> tx = optax_hybrid.hybrid_adamw(1e-3, state_memory_kind="disk")
     >>> state = tx.init({"w": jnp.ones(3)})
     >>> optax_hybrid.disk.read(optax_hybrid.disk.files_of(state)["w"])
     array([0., 0., 0.], dtype=float32)

@@ -20,8 +20,8 @@ through :func:`optax_hybrid.kernels.reference.master_update`:
                                                                or down at random, unbiased
 ==================== ============================ ============ ===================================
 
-(``master_dtype=jnp.float32``, the older spelling, is ``master="float32"``;
-any floating ``master_dtype`` wider than the param is a :class:`DtypeMaster`.)
+(``master=jnp.float32`` is ``master="float32"``; any other real floating
+dtype wider than the param is a :class:`DtypeMaster`.)
 No master weights (``master=None``, or a param a format does not apply to,
 such as a float32 one) is a format too, :data:`NO_MASTER`: it keeps nothing,
 gives the kernel no operand and is not ``active``. The engine asks a leaf's
@@ -161,7 +161,7 @@ class MasterFormat:
 
 @dataclasses.dataclass(frozen=True)
 class DtypeMaster(MasterFormat):
-  """A full copy in a wider dtype (``master="float32"``, or ``master_dtype=``): 4 bytes per weight in float32."""
+  """A full copy in a wider dtype (``master="float32"``, or ``master=`` a dtype): 4 bytes per weight in float32."""
 
   dtype: Any = np.dtype(np.float32)
   reads_param: bool = False
@@ -294,30 +294,38 @@ FORMATS = {FLOAT32: DtypeMaster(name=FLOAT32), KAHAN: KahanMaster(), STOCHASTIC:
 
 
 def resolve(master: Any, master_dtype: Any, owner: str) -> MasterFormat:
-  """The format for ``master=`` and the older ``master_dtype=`` (at most one of them), or :data:`NO_MASTER`.
+  """The format ``master=`` names, or :data:`NO_MASTER` for None.
+
+  ``master`` is a format name (:data:`MASTER_NAMES`) or a real floating dtype
+  (a copy in it: ``jnp.float32`` is ``"float32"``). ``master_dtype``, its older
+  spelling, takes a dtype (options translate it into ``master`` first).
 
   Raises:
-    ValueError: both given, an unknown ``master`` name, or a ``master_dtype``
-      that is not a real floating dtype.
+    ValueError: both given, or neither a format name nor a real floating dtype.
   """
   if master is not None and master_dtype is not None:
-    raise ValueError(f"{owner}: pass either `master` or `master_dtype`, not both: master='float32' is "
-                     "master_dtype=jnp.float32.")
-  if master is not None:
-    if not isinstance(master, str) or master not in FORMATS:
-      raise ValueError(f"{owner}: unknown `master`={master!r}; accepted values are "
-                       f"{', '.join(repr(n) for n in MASTER_NAMES)} (or None: no master weights).")
-    return FORMATS[master]
-  if master_dtype is None:
+    raise ValueError(f"{owner}: pass either `master` or `master_dtype`, not both: `master_dtype` is the older "
+                     "spelling of `master` (master=jnp.float32 is master='float32').")
+  argument = "master" if master_dtype is None else "master_dtype"
+  value = master if master_dtype is None else master_dtype
+  if value is None:
     return NO_MASTER
-  dtype = np.dtype(jnp.dtype(master_dtype))
-  if not jnp.issubdtype(dtype, jnp.floating):
-    raise ValueError(f"{owner}: `master_dtype` must be a real floating dtype such as jnp.float32, got {dtype}.")
+  if isinstance(value, str) and value in FORMATS:
+    return FORMATS[value]
+  try:
+    dtype = np.dtype(jnp.dtype(value))
+  except TypeError:
+    dtype = None
+  if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
+    got = f"{value!r}" if dtype is None else f"{value!r} (dtype {dtype})"
+    raise ValueError(f"{owner}: unknown `{argument}`={got}; accepted values are "
+                     f"{', '.join(repr(n) for n in MASTER_NAMES)}, a real floating dtype such as jnp.float32 "
+                     "(a copy in it), or None: no master weights.")
   return _copy_in(dtype)
 
 
 def _copy_in(dtype: np.dtype) -> MasterFormat:
-  """The format that keeps a copy in ``dtype``: the ``"float32"`` one for float32 (``master_dtype=jnp.float32``)."""
+  """The format that keeps a copy in ``dtype``: the ``"float32"`` one for float32 (``master=jnp.float32``)."""
   return FORMATS[FLOAT32] if dtype == np.float32 else DtypeMaster(name=str(dtype), dtype=dtype)
 
 

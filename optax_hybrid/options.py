@@ -15,6 +15,7 @@ that need the params happen in :func:`optax_hybrid.plan.make_plan`, at ``init``.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import typing
 from typing import Any, Callable, Optional, Union
@@ -23,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optax_hybrid import _checks, disk, masters, placement, tiers as tiers_lib
+from optax_hybrid import _checks, _deprecations, disk, masters, placement, tiers as tiers_lib
 from optax_hybrid.kernels import check_kernel_name
 
 QUANTIZED_8BIT = "8bit"
@@ -39,30 +40,30 @@ ScalarOrSchedule = Union[float, jax.Array, optax.Schedule]
 MaskOrFn = Optional[Union[Any, Callable[[optax.Params], Any]]]
 
 
+def _deprecated(default: Any = None) -> Any:
+  """A field kept for an older spelling: not in the signatures; :func:`make_options` warns and translates it."""
+  return dataclasses.field(default=default, metadata={"deprecated": True})
+
+
 @dataclasses.dataclass(frozen=True)
 class Placement:
   """Where each leaf's state lives and where its update runs (:mod:`optax_hybrid.tiers`).
 
   Attributes:
-    state_memory_kind: where the state lives: ``None`` (beside each param),
-      ``"device"``, ``"pinned_host"``, or a callable ``(path, param) -> kind``
-      choosing per leaf (returning ``None`` for "beside the param").
-    tiers: where each leaf's state lives and where its update runs, instead
-      of ``state_memory_kind``: ``"device"``, ``"host_state"`` (state in
-      ``pinned_host``, updated on the device), ``"host"`` (state and master in
-      ``pinned_host``, updated on the host CPU: the gradient moves to the host,
-      only the new param moves back) or ``"disk"`` (the rule's state in files
-      under ``nvme_offload_dir``, read and written around each step). A tier
-      name, a callable ``(path, param) -> tier or None``, or a tree of tier
-      names shaped like the params (or a prefix of it).
-    offload_fraction: move this fraction of the params, by size, to the
-      ``"host"`` tier, the rest updating on the device at the same time (like
-      Twin-Flow's ratio). Leaves are taken in ``jax.tree.leaves`` order, each
-      one when at least half of it falls within the fraction
-      (:func:`optax_hybrid.tiers.pick_by_fraction`).
-    nvme_offload_fraction: move this fraction of the params, by size, to the
-      ``"disk"`` tier (chosen first, the same way), as HybridAdam's
-      ``nvme_offload_fraction``. Single-device params only.
+    state_memory_kind: where the state lives, and so where the update runs
+      (docs/tiers.md): ``None`` (beside each param); a memory kind,
+      ``"device"`` or ``"pinned_host"`` (the state there, the update where the
+      param lives: on the device for a param in device memory, the state
+      streamed in and out); or a tier that also says where the update runs:
+      ``"host_state"`` (state in ``pinned_host``, updated on the device, also
+      for params that live in host memory), ``"host"`` (state and master in
+      ``pinned_host``, updated on the host CPU: the gradient moves to the
+      host, only the new param moves back), ``"disk"`` (the rule's state in
+      files under ``nvme_offload_dir``, read and written around each step).
+      Per leaf: a callable ``(path, param) -> one of those or None``, or a
+      tree of them shaped like the params (or a prefix of it). By size:
+      :func:`optax_hybrid.by_fraction` (``by_fraction(host=0.5)``: half the
+      params, by size, updated on the host).
     nvme_offload_dir: the directory for the disk tier's file (it must exist
       and be writable: checked when the optimizer is built); ``None``: the
       temporary directory. The file is owner-only and has no name:
@@ -75,12 +76,16 @@ class Placement:
       Each device then updates its shard and the update is gathered back to
       the param's sharding. Params must be placed with a ``NamedSharding`` on
       a mesh with that axis.
+    tiers, offload_fraction, nvme_offload_fraction: older spellings of
+      ``state_memory_kind`` (the same values; ``by_fraction(host=...)``,
+      ``by_fraction(disk=...)``), removed in 0.3. :func:`make_options`
+      translates them (they are then None here).
   """
 
-  state_memory_kind: placement.MemoryKindSpec = None
-  tiers: tiers_lib.TierSpec = None
-  offload_fraction: Optional[float] = None
-  nvme_offload_fraction: Optional[float] = None
+  state_memory_kind: tiers_lib.PlacementSpec = None
+  tiers: tiers_lib.TierSpec = _deprecated()
+  offload_fraction: Optional[float] = _deprecated()
+  nvme_offload_fraction: Optional[float] = _deprecated()
   nvme_offload_dir: Any = None
   shard_state_over: Optional[str] = None
 
@@ -102,15 +107,17 @@ class Storage:
     master: master weights for each lower-precision param (bf16, fp16), so
       that small steps accumulate instead of rounding away
       (:mod:`optax_hybrid.masters`): ``"float32"`` (a float32 copy, 4 bytes
-      per weight), ``"kahan"`` (an error term in the param's dtype, 2 bytes:
-      compensated summation) or ``"stochastic"`` (nothing kept: the new value
-      rounded up or down at random, unbiased). What is kept lives with the
+      per weight; ``jnp.float32`` says the same, and any other real floating
+      dtype keeps a copy in that dtype where it is wider than the param),
+      ``"kahan"`` (an error term in the param's dtype, 2 bytes: compensated
+      summation) or ``"stochastic"`` (nothing kept: the new value rounded up
+      or down at random, unbiased). What is kept lives with the
       leaf's state. The step is computed on the float32 value the format
       gives; the new param is written by the format (``tx.step``), and
       ``update`` returns, in float32, the difference that makes
       ``apply_updates`` land exactly on it.
-    master_dtype: the older spelling: keep a master copy in this dtype;
-      ``jnp.float32`` is ``master="float32"``. Pass one of the two.
+    master_dtype: the older spelling of ``master`` (the same values),
+      removed in 0.3; :func:`make_options` translates it.
     state_layout: ``"leaves"`` (the default: every params-shaped field of
       the state holds one array per param leaf, as Optax expects) or
       ``"packed"``: each holds a dict of a few flat arrays, one per storage
@@ -123,8 +130,8 @@ class Storage:
   """
 
   moment_format: Optional[str] = None
-  master: Optional[str] = None
-  master_dtype: Any = None
+  master: Any = None
+  master_dtype: Any = _deprecated()
   state_layout: str = "leaves"
 
   @property
@@ -163,8 +170,11 @@ class Execution:
 
 
 _CONCERNS = (Placement, Storage, Execution)
-#: Every option's name -> the concern (dataclass) it belongs to.
+#: Every option's name -> the concern (dataclass) it belongs to (the older spellings included).
 OPTION_NAMES = {f.name: concern for concern in _CONCERNS for f in dataclasses.fields(concern)}
+#: The options' older spellings, which warn (:mod:`optax_hybrid._deprecations`).
+DEPRECATED_OPTIONS = tuple(f.name for concern in _CONCERNS for f in dataclasses.fields(concern)
+                           if f.metadata.get("deprecated"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -191,16 +201,26 @@ def takes_options(*, without: tuple[str, ...] = ()) -> Callable:
 
   The function keeps its ``**options``; its ``__signature__`` (what
   ``inspect``, ``help`` and the API reference show, and what
-  ``optax.inject_hyperparams`` binds) lists each option with its default.
+  ``optax.inject_hyperparams`` binds) lists each option with its default,
+  then ``**deprecated``: the older spellings (:data:`DEPRECATED_OPTIONS`),
+  which still bind and warn.
   """
   def decorate(fn):
     signature = inspect.signature(fn)
     own = [p for p in signature.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
     extra = [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default,
                                annotation=typing.get_type_hints(concern)[f.name])
-             for concern in _CONCERNS for f in dataclasses.fields(concern) if f.name not in without]
-    fn.__signature__ = signature.replace(parameters=own + extra)
-    return fn
+             for concern in _CONCERNS for f in dataclasses.fields(concern)
+             if f.name not in without and not f.metadata.get("deprecated")]
+    rest = inspect.Parameter("deprecated", inspect.Parameter.VAR_KEYWORD)
+
+    @functools.wraps(fn)
+    def taking_options(*args, deprecated=None, **kwargs):
+      # optax.inject_hyperparams binds by this signature: the older spellings come gathered in `deprecated`.
+      return fn(*args, **(deprecated or {}), **kwargs)
+
+    taking_options.__signature__ = signature.replace(parameters=own + extra + [rest])
+    return taking_options
   return decorate
 
 
@@ -225,6 +245,7 @@ def make_options(owner: str, rule: Any, *, mask: MaskOrFn = None, accepted: tupl
   if unknown:
     raise TypeError(f"{owner}() got an unexpected keyword argument {unknown[0]!r}; its options are "
                     f"{', '.join(accepted)}.")
+  options = _translated(owner, options)
   by_concern = {concern: {k: v for k, v in options.items() if OPTION_NAMES[k] is concern} for concern in _CONCERNS}
   o = Options(owner, *(concern(**by_concern[concern]) for concern in _CONCERNS), mask=mask)
   o = dataclasses.replace(o, placement=_checked_placement(owner, o.placement),
@@ -234,17 +255,49 @@ def make_options(owner: str, rule: Any, *, mask: MaskOrFn = None, accepted: tupl
   return o
 
 
+def _translated(owner: str, options: dict[str, Any]) -> dict[str, Any]:
+  """``options`` with each older spelling given (not None) warned about and written as its replacement."""
+  options = dict(options)
+  old = {name: options.pop(name) for name in DEPRECATED_OPTIONS if options.get(name) is not None}
+  for name in old:
+    _deprecations.warn(owner, name, _deprecations.SPELLINGS[name])
+  if "tiers" in old:
+    if options.get("state_memory_kind") is not None:
+      raise ValueError(f"{owner}: pass either `tiers` or `state_memory_kind`, not both: `tiers` is the older "
+                       "spelling of `state_memory_kind`, which takes the same values.")
+    options["state_memory_kind"] = old["tiers"]
+  if "offload_fraction" in old or "nvme_offload_fraction" in old:
+    options["state_memory_kind"] = _fractions(owner, old, options.get("state_memory_kind"))
+  if "master_dtype" in old:
+    if options.get("master") is not None:
+      raise ValueError(f"{owner}: pass either `master` or `master_dtype`, not both: `master_dtype` is the older "
+                       "spelling of `master` (master=jnp.float32 is master='float32').")
+    options["master"] = old["master_dtype"]
+  return options
+
+
+def _fractions(owner: str, old: dict[str, Any], rest: Any) -> tiers_lib.Fractions:
+  """``by_fraction`` for ``offload_fraction`` / ``nvme_offload_fraction``, checked under those names."""
+  host, disk = (tiers_lib.check_fraction(name, old.get(name), owner) or 0.0
+                for name in ("offload_fraction", "nvme_offload_fraction"))
+  if host + disk > 1.0 + 1e-12:
+    raise ValueError(f"{owner}: `offload_fraction` + `nvme_offload_fraction` is {host + disk}; together they can "
+                     "place at most all of the params (sum <= 1).")
+  if isinstance(rest, tiers_lib.Fractions):
+    raise ValueError(f"{owner}: state_memory_kind={rest!r} already places by size; drop `offload_fraction` / "
+                     "`nvme_offload_fraction` (their older spelling).")
+  return tiers_lib.by_fraction(host=host, disk=disk, rest=rest)
+
+
 def _check_packed(owner: str, o: Options) -> None:
   """``state_layout="packed"`` packs device state on one CPU device: no other placement, no Pallas kernel."""
   if o.storage.state_layout != "packed":
     return
   p = o.placement
-  placed = [f"{name}={getattr(p, name)!r}" for name in ("offload_fraction", "nvme_offload_fraction",
-                                                         "nvme_offload_dir", "shard_state_over")
+  placed = [f"{name}={getattr(p, name)!r}" for name in ("nvme_offload_dir", "shard_state_over")
             if getattr(p, name) is not None]
-  if p.tiers not in (None, tiers_lib.DEVICE_TIER):
-    placed.append(f"tiers={p.tiers!r}")
-  if p.state_memory_kind not in (None, placement.DEVICE_KIND):
+  if not (isinstance(p.state_memory_kind, str) and p.state_memory_kind == placement.DEVICE_KIND) \
+      and p.state_memory_kind is not None:
     placed.append(f"state_memory_kind={p.state_memory_kind!r}")
   if placed:
     raise ValueError(f"{owner}: state_layout='packed' keeps every leaf's state in a few flat buffers in device "
@@ -256,23 +309,12 @@ def _check_packed(owner: str, o: Options) -> None:
 
 
 def _checked_placement(owner: str, p: Placement) -> Placement:
-  placement.check_memory_kind_spec(p.state_memory_kind)
-  tiers_lib.check_tier_spec(p.tiers, owner)
-  if p.tiers is not None and p.state_memory_kind is not None:
-    raise ValueError(
-        f"{owner}: pass either `tiers` or `state_memory_kind`, not both: a tier sets where the "
-        "state lives ('device': device memory; 'host_state' and 'host': pinned_host).")
-  fractions = {name: tiers_lib.check_fraction(name, getattr(p, name), owner)
-               for name in ("offload_fraction", "nvme_offload_fraction")}
-  if sum(f or 0.0 for f in fractions.values()) > 1.0 + 1e-12:
-    raise ValueError(
-        f"{owner}: `offload_fraction` + `nvme_offload_fraction` is {sum(fractions.values())}"
-        "; together they can place at most all of the params (sum <= 1).")
+  tiers_lib.check_placement_spec(p.state_memory_kind, owner)
   if p.shard_state_over is not None and not isinstance(p.shard_state_over, str):
     raise TypeError(f"{owner}: `shard_state_over` must be a mesh axis name (a str), got {p.shard_state_over!r}.")
   if p.nvme_offload_dir is not None:
     disk.check_directory(p.nvme_offload_dir)  # before any step, and before init writes anything
-  return dataclasses.replace(p, **fractions)
+  return p
 
 
 def _checked_storage(owner: str, s: Storage, rule: Any) -> Storage:
@@ -288,16 +330,27 @@ def _checked_storage(owner: str, s: Storage, rule: Any) -> Storage:
       names = " / ".join(f"`{f.dtype_argument}`" for f in rule.fields if f.dtype_argument)
       raise ValueError(f"{owner}: pass either `moment_format` or {names}, not both: "
                        f"moment_format={s.moment_format!r} sets the storage of every field the rule keeps.")
-  masters.resolve(s.master, s.master_dtype, owner)  # raises for a bad value, or both
+  master = masters.resolve(s.master, None, owner)  # raises for a bad value
   if s.state_layout not in STATE_LAYOUTS:
     raise ValueError(f"{owner}: unknown `state_layout`={s.state_layout!r}; accepted values are "
                      f"{', '.join(repr(x) for x in STATE_LAYOUTS)}.")
-  return dataclasses.replace(s, master_dtype=None if s.master_dtype is None else jnp.dtype(s.master_dtype))
+  # One value per format (master=jnp.float32 is master="float32"): equal options make equal plans.
+  return dataclasses.replace(s, master=None if master is masters.NO_MASTER else master.name)
 
 
 def _checked_execution(owner: str, e: Execution) -> Execution:
   check_kernel_name(e.kernel, owner)
   return dataclasses.replace(e, skip_nonfinite=_checks.flag(owner, "skip_nonfinite", e.skip_nonfinite))
+
+
+def placement_words(o: Options) -> str:
+  """Where the state was asked to live, as the user wrote it, for messages (``"state_memory_kind='pinned_host'"``)."""
+  spec = o.placement.state_memory_kind
+  if callable(spec) and not isinstance(spec, tiers_lib.Fractions):
+    return "the state_memory_kind callable"
+  if spec is not None and not isinstance(spec, (str, tiers_lib.Fractions)):
+    return "the state_memory_kind tree"
+  return f"state_memory_kind={spec!r}"
 
 
 def check_learning_rate(owner: str, learning_rate: Any) -> None:
@@ -311,5 +364,5 @@ def is_inexact(dtype) -> bool:
   return jnp.issubdtype(dtype, jnp.floating) or jnp.issubdtype(dtype, jnp.complexfloating)
 
 
-__all__ = ["Execution", "MOMENT_FORMATS", "OPTION_NAMES", "STATE_LAYOUTS", "Options", "Placement", "Storage", "make_options",
-           "takes_options"]
+__all__ = ["DEPRECATED_OPTIONS", "Execution", "MOMENT_FORMATS", "OPTION_NAMES", "STATE_LAYOUTS", "Options",
+           "Placement", "Storage", "make_options", "placement_words", "takes_options"]

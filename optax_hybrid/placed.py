@@ -187,7 +187,7 @@ def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
     >>> import jax, jax.numpy as jnp, optax, optax_hybrid
     >>> host = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="pinned_host")
     >>> params = {"w": jax.device_put(jnp.ones(3), host)}
-    >>> tx = optax.chain(optax_hybrid.clip_by_global_norm(1.0), optax_hybrid.hybrid_adamw(1e-3, tiers="host"))
+    >>> tx = optax.chain(optax_hybrid.clip_by_global_norm(1.0), optax_hybrid.hybrid_adamw(1e-3, state_memory_kind="host"))
     >>> state = tx.init(params)
     >>> updates, state = jax.jit(tx.update)({"w": jax.device_put(jnp.full(3, 10.0), host)}, state, params)
     >>> updates["w"].sharding.memory_kind

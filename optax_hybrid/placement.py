@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
-from optax_hybrid import _compat
+from optax_hybrid import _commit_check, _compat
 from optax_hybrid._compat import DEVICE, HOST
 
 DEVICE_KIND = "device"
@@ -34,8 +34,6 @@ STATE_MEMORY_KINDS = (DEVICE_KIND, HOST_KIND)
 
 _SPACE_OF_KIND = {DEVICE_KIND: DEVICE, HOST_KIND: HOST}
 _KIND_OF_SPACE = {DEVICE: DEVICE_KIND, HOST: HOST_KIND}
-
-MemoryKindSpec = Any  # None | str | Callable[[tuple, Any], str | None]
 
 
 # ---------------------------------------------------------------------------
@@ -71,23 +69,6 @@ def check_memory_kind(kind: Any, device: jax.Device | None = None, *, argument: 
         "one of those, or state_memory_kind=None to keep state beside the params."
     )
   return kind
-
-
-def check_memory_kind_spec(spec: MemoryKindSpec) -> MemoryKindSpec:
-  """Early validation of ``state_memory_kind`` when the optimizer is built.
-
-  The name is always checked. Whether the devices offer the kind is checked
-  here only if a backend is already running: asking would start one, and
-  ``jax.distributed.initialize`` must precede that. ``init`` checks it then,
-  against each param's own devices.
-  """
-  if spec is None or callable(spec):
-    return spec
-  if not _compat.backends_are_initialized():
-    if not isinstance(spec, str) or spec not in STATE_MEMORY_KINDS:
-      check_memory_kind(spec)  # raises the unsupported-name error before reaching a device
-    return spec
-  return check_memory_kind(spec)
 
 
 def space_of_kind(kind: str) -> Any:
@@ -202,28 +183,6 @@ def devices_of(param: Any) -> Sequence[jax.Device]:
   if sharding is not None and not _compat.is_tracer(param):
     return list(sharding.device_set)
   return [jax.devices()[0]]
-
-
-def resolve_state_kinds(params: Any, spec: MemoryKindSpec) -> Any:
-  """The memory kind of each leaf's state, as a tree shaped like ``params``.
-
-  ``None`` keeps state beside its parameter; a string applies to every leaf; a
-  callable ``(path, param) -> kind or None`` chooses per leaf.
-  """
-
-  def resolve(path, param):
-    if callable(spec):
-      kind = spec(path, param)
-      argument = f"state_memory_kind({jax.tree_util.keystr(path)})"
-    else:
-      kind, argument = spec, "state_memory_kind"
-    if kind is None:
-      return param_memory_kind(param)
-    for device in devices_of(param)[:1]:
-      check_memory_kind(kind, device, argument=argument)
-    return kind
-
-  return jax.tree_util.tree_map_with_path(resolve, params)
 
 
 # ---------------------------------------------------------------------------
@@ -429,6 +388,7 @@ def commit(tree: Any) -> Any:
     ``nnx.update((model, optimizer), optax_hybrid.commit(nnx.state((model,
     optimizer))))``.
   """
+  _commit_check.forget(tree)  # its optimizer states' first step will not be told to commit them
   leaves, treedef = jax.tree.flatten(tree)
   arrays = [x for x in leaves if isinstance(x, jax.Array) and not _compat.is_tracer(x)]
   target = None

@@ -209,7 +209,7 @@ class Plan:
       sees Python zeros, and the two states must compare equal (Optax's
       ``AliasTest``). Steps traced for either compute the same numbers while
       the injected values stay zero.
-    master: the master format asked for (``master=`` or ``master_dtype=``;
+    master: the master format asked for (``master=``;
       :data:`~optax_hybrid.masters.NO_MASTER` for none): the state has a
       ``master`` tree where it keeps something (:attr:`~optax_hybrid.masters.MasterFormat.keeps`),
       an entry per leaf (empty for a leaf it does not apply to).

@@ -25,7 +25,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from optax_hybrid import _checks, _compat
+from optax_hybrid import _checks, _compat, _deprecations
+from optax_hybrid.options import DEPRECATED_OPTIONS
 from optax_hybrid.paths import path_name  # documented here too: param_groups match its paths
 from optax_hybrid.placed import AccumulationState, accumulate_gradients, clip_by_global_norm, global_norm, skip_together
 from optax_hybrid.schedules import warmup_cosine_schedule
@@ -379,9 +380,12 @@ def _scaled(schedule: optax.Schedule, multiplier: float) -> optax.Schedule:
 
 def _check_hybrid_options(hybrid_options: Mapping[str, Any]) -> None:
   """Raises a TypeError naming ``standard_optimizer`` and the closest option for a keyword nobody takes."""
-  # hybrid_adamw's arguments less those the recipe sets itself.
-  hybrid_keywords = [name for name in inspect.signature(hybrid_adamw).parameters
-                     if name not in ("learning_rate", "b1", "b2", "eps", "weight_decay", "mask", "weight_decay_mask")]
+  # hybrid_adamw's arguments less those the recipe sets itself, and its options' older spellings (they warn).
+  hybrid_keywords = [name for name, p in inspect.signature(hybrid_adamw).parameters.items()
+                     if p.kind is not inspect.Parameter.VAR_KEYWORD
+                     and name not in ("learning_rate", "b1", "b2", "eps", "weight_decay", "mask")]
+  older = [*DEPRECATED_OPTIONS, "nu_dtype"]
+  hybrid_keywords += older
   own = [name for name, p in inspect.signature(standard_optimizer).parameters.items()
          if p.kind is not inspect.Parameter.VAR_KEYWORD]
   for name in hybrid_options:
@@ -390,8 +394,8 @@ def _check_hybrid_options(hybrid_options: Mapping[str, Any]) -> None:
       hint = f"; did you mean {close[0]!r}?" if close else "."
       raise TypeError(
           f"standard_optimizer() got an unexpected keyword argument {name!r}{hint} It takes its own "
-          f"arguments ({', '.join(own)}) and hybrid_adamw's keyword options ({', '.join(hybrid_keywords)})."
-      )
+          f"arguments ({', '.join(own)}) and hybrid_adamw's keyword options "
+          f"({', '.join(k for k in hybrid_keywords if k not in older)}).")
 
 
 def standard_optimizer(
@@ -400,7 +404,6 @@ def standard_optimizer(
     *,
     schedule: Optional[optax.Schedule] = None,
     warmup: Union[int, float, None] = None,
-    min_lr_ratio: Optional[float] = None,
     min_lr: Optional[float] = None,
     b1: float = 0.9,
     b2: float = 0.95,
@@ -471,14 +474,13 @@ def standard_optimizer(
       required with ``learning_rate``. After it the rate stays at ``min_lr``.
     schedule: any Optax schedule (``optax.cosine_onecycle_schedule``,
       ``optax.exponential_decay``, ...), instead of the warmup-cosine; then
-      ``learning_rate``, ``total_steps``, ``warmup``, ``min_lr_ratio`` and
-      ``min_lr`` must be left out.
+      ``learning_rate``, ``total_steps``, ``warmup`` and ``min_lr`` must be
+      left out.
     warmup: warmup length: an ``int`` number of updates, or a ``float`` in
       ``[0, 1)``, a fraction of ``total_steps`` (rounded to the nearest update).
       Default: 3% of ``total_steps``.
-    min_lr_ratio: the floor as a fraction of ``learning_rate``, in ``[0, 1]``;
-      default 0.1.
-    min_lr: the floor as an absolute value, instead of ``min_lr_ratio``.
+    min_lr: the floor the cosine decays to, in ``[0, learning_rate]``;
+      default a tenth of ``learning_rate``.
     b1: Adam's first-moment decay.
     b2: Adam's second-moment decay.
     eps: added to the denominator, outside the square root.
@@ -493,13 +495,14 @@ def standard_optimizer(
     **hybrid_options: any other keyword argument of
       :func:`optax_hybrid.hybrid_adamw`, given to every group's AdamW: the
       placement options (``state_memory_kind="pinned_host"`` for moments in
-      host memory, ``kernel``), ``moment_format`` (``"8bit"``), ``mu_dtype``/``nu_dtype``,
+      host memory, ``kernel``), ``moment_format`` (``"8bit"``), ``mu_dtype``,
       ``bias_correction``, and ``skip_nonfinite=True``, which skips a whole
       update (every group together) whose gradients hold a NaN or an
       infinity, without advancing the schedule. Options that take a tree or a
       per-leaf callable see each group's params (others masked out); prefer
       callables ``(path, param) -> ...``. The weight-decay mask is the
-      recipe's own: use ``decay_mask``.
+      recipe's own: use ``decay_mask``. The older spellings warn, as
+      ``hybrid_adamw``'s (``min_lr_ratio``, for ``min_lr``, too).
 
   Returns:
     An ``optax.GradientTransformationExtraArgs``. Its state records the
@@ -531,6 +534,9 @@ def standard_optimizer(
     >>> round(float(last_learning_rate(state)), 9)  # (0 + 1) / 50 * 3e-4
     6e-06
   """
+  min_lr_ratio = hybrid_options.pop("min_lr_ratio", None)
+  if min_lr_ratio is not None:
+    _deprecations.warn("standard_optimizer", "min_lr_ratio", _deprecations.SPELLINGS["min_lr_ratio"])
   sched = _build_schedule(learning_rate, total_steps, schedule, warmup, min_lr_ratio, min_lr)
   if max_grad_norm is not None:
     max_grad_norm = _real("max_grad_norm", max_grad_norm, low=0.0)

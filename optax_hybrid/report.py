@@ -415,7 +415,7 @@ def memory_report(params: Any, opt_state: Any) -> MemoryReport:
   * ``"host"``: the param itself in host memory;
   * ``"disk"``: the moments in the disk tier's files.
 
-  A state that carries its placement plan (``hybrid_adamw(tiers=...)``, one
+  A state that carries its placement plan (``hybrid_adamw(state_memory_kind=...)``, one
   tier per leaf) names the tiers of the device-resident params it covers; its
   ``"host"`` tier also covers device params updated on the host.
 

@@ -379,12 +379,12 @@ def step_in_backward(tx: Any, embed_fn: Callable[[Any, Any], Any], layer_fn: Cal
 
   (to float rounding of the gradients; bit for bit on a CPU) while never
   holding the layers' gradient: with the stacked layers in host memory
-  (``pinned_host``) and ``tiers="host_state"``, the host holds the layers and
+  (``pinned_host``) and ``state_memory_kind="host_state"``, the host holds the layers and
   the state, and nothing else that grows with depth.
 
   Args:
     tx: an optimizer of this library (``hybrid_adamw`` and the other
-      ``hybrid_*``), whose stacked layers run on the device (tier
+      ``hybrid_*``), whose stacked layers run on the device (``state_memory_kind``
       ``"device"`` or ``"host_state"``; on a mesh, split along any axis but
       the first: each device steps its shard), with ``skip_nonfinite=False``.
     embed_fn: ``(rest, batch) -> carry``, a pytree of arrays.

@@ -28,6 +28,7 @@ host; their tier is reported as ``host``.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
 from typing import Any, Sequence
@@ -37,33 +38,113 @@ import numpy as np
 
 from optax_hybrid import _compat, placement
 
-#: The tier names, as ``tiers=`` takes them.
+#: The tier names, the values of ``state_memory_kind`` that say where the update runs.
 DEVICE_TIER, HOST_STATE_TIER, HOST_TIER, DISK_TIER = "device", "host_state", "host", "disk"
 #: Every tier name.
 TIERS = (DEVICE_TIER, HOST_STATE_TIER, HOST_TIER, DISK_TIER)
+#: What ``state_memory_kind`` takes per leaf: the memory kinds (the state there, the update where the param
+#: lives) and the tier names (the update where the tier says), ``"device"`` being both.
+PLACEMENTS = (placement.DEVICE_KIND, placement.HOST_KIND, HOST_STATE_TIER, HOST_TIER, DISK_TIER)
 #: The memory kind of each tier's state in memory: the moments, or for the disk
 #: tier (moments in files) the master copy.
 STATE_KIND = {DEVICE_TIER: placement.DEVICE_KIND, HOST_STATE_TIER: placement.HOST_KIND,
               HOST_TIER: placement.HOST_KIND, DISK_TIER: placement.HOST_KIND}
 
-TierSpec = Any  # None | str | Callable[[tuple, Any], str | None] | a pytree prefix of str
+PlacementSpec = Any  # None | str | Callable[[tuple, Any], str | None] | a pytree prefix of str | Fractions
+TierSpec = PlacementSpec  # its name when ``tiers=`` took it
 
 
-def check_tier_spec(spec: TierSpec, owner: str = "optax_hybrid") -> None:
-  """Early validation of ``tiers`` when the optimizer is built (``owner`` names it in messages)."""
-  if spec is None or callable(spec):
+@dataclasses.dataclass(frozen=True)
+class Fractions:
+  """A placement by size: :func:`by_fraction`'s result, a value of ``state_memory_kind``."""
+
+  host: float = 0.0
+  disk: float = 0.0
+  rest: PlacementSpec = None
+
+  def __repr__(self) -> str:
+    given = [f"{name}={getattr(self, name)!r}" for name in ("host", "disk") if getattr(self, name)]
+    if self.rest is not None:
+      given.append(f"rest={self.rest!r}")
+    return f"by_fraction({', '.join(given)})"
+
+
+def by_fraction(host: float = 0.0, disk: float = 0.0, rest: PlacementSpec = None) -> Fractions:
+  """A placement by size, for ``state_memory_kind``: this fraction of the params to the host, that one to disk.
+
+  ``disk`` of the params, by size, get the ``"disk"`` placement (moments in
+  files, as HybridAdam's ``nvme_offload_fraction``), then ``host`` of them the
+  ``"host"`` one (state in host memory, updated on the host CPU at the same
+  time as the device updates the rest, as Twin-Flow's ratio); every other leaf
+  is placed by ``rest`` (any other ``state_memory_kind`` value; None: beside
+  its param). Leaves are taken in ``jax.tree.leaves`` order, each one when at
+  least half of it falls within the fraction (:func:`pick_by_fraction`);
+  params that live in host memory are not moved.
+
+  Args:
+    host: the fraction of the params, by size, updated on the host, in [0, 1].
+    disk: the fraction of the params, by size, whose moments live in files
+      (single-device params), in [0, 1]; ``host + disk <= 1``.
+    rest: where the other leaves' state lives: a ``state_memory_kind`` value
+      other than a fraction.
+
+  Raises:
+    ValueError: for a fraction outside [0, 1], fractions that add up to more
+      than 1, or a ``rest`` that is not a placement.
+    TypeError: for a ``rest`` that is itself a ``by_fraction``.
+
+  Example:
+    >>> import jax.numpy as jnp, optax_hybrid
+    >>> params = {"a": jnp.ones((3, 4)), "b": jnp.ones((3, 4))}
+    >>> tx = optax_hybrid.hybrid_adamw(1e-3, state_memory_kind=optax_hybrid.by_fraction(host=0.5))
+    >>> tx.init(params).plan.tiers
+    ('host', 'device')
+  """
+  fractions = {name: check_fraction(name, value, "by_fraction") for name, value in (("host", host), ("disk", disk))}
+  if sum(fractions.values()) > 1.0 + 1e-12:
+    raise ValueError(f"by_fraction: `host` + `disk` is {sum(fractions.values())}; together they can place at "
+                     "most all of the params (sum <= 1).")
+  if isinstance(rest, Fractions):
+    raise TypeError(f"by_fraction: `rest` places the leaves no fraction takes; it cannot be another by_fraction, "
+                    f"got {rest!r}.")
+  check_placement_spec(rest, "by_fraction", argument="rest")
+  return Fractions(fractions["host"], fractions["disk"], rest)
+
+
+def check_placement_spec(spec: PlacementSpec, owner: str = "optax_hybrid", argument: str = "state_memory_kind") -> None:
+  """Early validation of ``state_memory_kind`` when the optimizer is built (``owner`` names it in messages).
+
+  The names are always checked. Whether the devices offer a memory kind
+  named alone is checked here only if a backend is already running: asking
+  would start one, and ``jax.distributed.initialize`` must precede that.
+  ``init`` checks every leaf against its own devices.
+  """
+  if spec is None or isinstance(spec, Fractions) or callable(spec):
     return
   for leaf in jax.tree.leaves(spec):
-    _check_tier(leaf, "tiers", owner)
+    _check_placement(leaf, argument, owner)
+  if isinstance(spec, str) and spec != DEVICE_TIER and _compat.backends_are_initialized():
+    _check_available(f"`{argument}`={spec!r}", STATE_KIND.get(spec, spec), jax.devices()[0], owner)
 
 
-def _check_tier(tier: Any, argument: str, owner: str) -> str:
-  if not isinstance(tier, str) or tier not in TIERS:
+def _check_placement(value: Any, argument: str, owner: str) -> str:
+  if not isinstance(value, str) or value not in PLACEMENTS:
     raise ValueError(
-        f"{owner}: `{argument}`={tier!r} is not a tier; use one of "
-        f"{', '.join(repr(t) for t in TIERS)} (or None for the default placement)."
-    )
-  return tier
+        f"{owner}: `{argument}`={value!r} is not a placement; use one of "
+        f"{', '.join(repr(t) for t in PLACEMENTS)} (docs/tiers.md), None (the state beside each param), "
+        "a callable (path, param) -> one of those, a tree of them shaped like the params (or a prefix of it), "
+        "or optax_hybrid.by_fraction(...).")
+  return value
+
+
+def _check_available(asked: str, kind: str, device: Any, owner: str) -> None:
+  """Raises where ``device`` lacks memory ``kind``, which the placement ``asked`` (as the user wrote it) needs."""
+  kinds = placement.available_memory_kinds(device)
+  if kind not in kinds:
+    raise ValueError(
+        f"{owner}: {asked} keeps the state in {kind!r}, which {device.platform} device {device.id} does not "
+        f"have: it has memory kinds {', '.join(map(repr, kinds))}. Use one of those, or "
+        "state_memory_kind=None to keep the state beside the params.")
 
 
 def check_fraction(name: str, value: Any, owner: str = "optax_hybrid") -> float | None:
@@ -77,30 +158,33 @@ def check_fraction(name: str, value: Any, owner: str = "optax_hybrid") -> float 
   return float(value)
 
 
-def _spec_leaves(spec: TierSpec, params: Any, owner: str) -> list:
-  """Per params leaf: the tier ``spec`` asks for, or None."""
+def _spec_leaves(spec: PlacementSpec, params: Any, owner: str) -> list[tuple[Any, str]]:
+  """Per params leaf: the placement ``spec`` asks for (or None) and how to name it in a message."""
+  n = len(jax.tree.leaves(params))
   if spec is None:
-    return [None] * len(jax.tree.leaves(params))
+    return [(None, "state_memory_kind")] * n
   if isinstance(spec, str):
-    return [_check_tier(spec, "tiers", owner)] * len(jax.tree.leaves(params))
+    return [(_check_placement(spec, "state_memory_kind", owner), "state_memory_kind")] * n
   if callable(spec):
     out = []
     for path, param in jax.tree_util.tree_leaves_with_path(params):
-      tier = spec(path, param)
-      out.append(None if tier is None else _check_tier(tier, f"tiers({jax.tree_util.keystr(path)})", owner))
+      argument = f"state_memory_kind({jax.tree_util.keystr(path)})"
+      value = spec(path, param)
+      out.append((None if value is None else _check_placement(value, argument, owner), argument))
     return out
   treedef = jax.tree.structure(params)
   try:
-    # A prefix of the params tree: one tier for a whole subtree.
+    # A prefix of the params tree: one placement for a whole subtree.
     leaves = treedef.flatten_up_to(jax.tree.map(
         lambda t, sub: jax.tree.map(lambda _: t, sub), spec, treedef.unflatten([0] * treedef.num_leaves),
         is_leaf=lambda x: x is None))
   except (ValueError, TypeError) as e:
     raise ValueError(
-        f"{owner}: `tiers` must be a tier name, a callable (path, param) -> tier, or a tree with "
-        f"the structure of the params (or a prefix of it); params: {treedef}, tiers: "
+        f"{owner}: `state_memory_kind` must be a placement name, a callable (path, param) -> placement, or a "
+        f"tree with the structure of the params (or a prefix of it); params: {treedef}, state_memory_kind: "
         f"{jax.tree.structure(spec)}.") from e
-  return [None if t is None else _check_tier(t, "tiers", owner) for t in leaves]
+  return [(None if t is None else _check_placement(t, "state_memory_kind", owner), "state_memory_kind")
+          for t in leaves]
 
 
 def pick_by_fraction(sizes: Sequence[int], fraction: float, eligible: Sequence[bool]) -> list[bool]:
@@ -123,50 +207,64 @@ def pick_by_fraction(sizes: Sequence[int], fraction: float, eligible: Sequence[b
   return taken
 
 
-def resolve(params: Any, *, tiers: TierSpec, state_memory_kind: placement.MemoryKindSpec,
+def resolve(params: Any, *, tiers: TierSpec, state_memory_kind: PlacementSpec,
             offload_fraction: float | None, nvme_offload_fraction: float | None = None,
             owner: str = "optax_hybrid") -> tuple[list[str], list[str]]:
   """Each leaf's tier and the memory kind of its in-memory state, in leaf order.
 
-  ``tiers`` (if given) chooses the tier; otherwise ``state_memory_kind`` does
-  (``"device"`` -> device, ``"pinned_host"`` -> host_state, ``None`` -> beside
-  the param). ``nvme_offload_fraction`` then moves that fraction of the params
-  (by size, :func:`pick_by_fraction`) to the disk tier, and ``offload_fraction``
-  that fraction to the host tier, each taking leaves in order among those not
-  already moved.
+  ``state_memory_kind`` (or ``tiers``, its older spelling) places each leaf:
+  None beside its param; a memory kind (``"device"``, ``"pinned_host"``)
+  keeps the state there and updates the leaf where its param lives (on the
+  host for a param in host memory); a tier name (``"host_state"``,
+  ``"host"``, ``"disk"``) says where the update runs too. A
+  :func:`by_fraction` placement (or the older ``nvme_offload_fraction`` and
+  ``offload_fraction``) then moves that fraction of the params (by size,
+  :func:`pick_by_fraction`) to the disk tier, then to the host tier, each
+  taking leaves in order among those not already moved.
   """
+  spec = state_memory_kind if tiers is None else tiers
+  fractions = {DISK_TIER: nvme_offload_fraction, HOST_TIER: offload_fraction}
+  if isinstance(spec, Fractions):
+    spec, fractions = spec.rest, {DISK_TIER: spec.disk, HOST_TIER: spec.host}
   leaves = jax.tree.leaves(params)
   param_kinds = [placement.param_memory_kind(p) for p in leaves]
-  wanted = _spec_leaves(tiers, params, owner)
-  if tiers is None:
-    kinds = jax.tree.leaves(placement.resolve_state_kinds(params, state_memory_kind))
-  else:
-    kinds = [STATE_KIND[t] if t is not None else k for t, k in zip(wanted, param_kinds)]
-  names = []
-  for path_leaf, want, kind, pkind in zip(jax.tree_util.tree_leaves_with_path(params), wanted, kinds, param_kinds):
-    if pkind == placement.HOST_KIND and want == DISK_TIER:
-      raise ValueError(
-          f"{owner}: the param at {jax.tree_util.keystr(path_leaf[0])} lives in host memory, so it is "
-          "updated on the host; give it the 'host' tier (its moments in pinned_host), not 'disk'.")
-    if pkind == placement.HOST_KIND:
-      # Computed on the host, wherever its state is; or, asked for, on the device a slice at a time.
-      names.append(HOST_STATE_TIER if want == HOST_STATE_TIER else HOST_TIER)
-    elif want is not None:
-      names.append(want)
-    else:
-      names.append(DEVICE_TIER if kind == placement.DEVICE_KIND else HOST_STATE_TIER)
+  names, kinds, asked = [], [], []
+  for (path, param), pkind, (value, argument) in zip(jax.tree_util.tree_leaves_with_path(params), param_kinds,
+                                                     _spec_leaves(spec, params, owner)):
+    tier, kind = _leaf_placement(value, pkind, jax.tree_util.keystr(path), owner)
+    names.append(tier)
+    kinds.append(kind)
+    asked.append(None if value in (None, DEVICE_TIER) else f"`{argument}`={value!r}")
   sizes = [int(np.prod(np.shape(p))) for p in leaves]
-  for fraction, tier in ((nvme_offload_fraction, DISK_TIER), (offload_fraction, HOST_TIER)):
+  for tier, fraction in fractions.items():  # disk first, then host
     if fraction:
       movable = [n not in (HOST_TIER, DISK_TIER) and k != placement.HOST_KIND for n, k in zip(names, param_kinds)]
       for i, take in enumerate(pick_by_fraction(sizes, fraction, movable)):
         if take:
           names[i], kinds[i] = tier, STATE_KIND[tier]
-  if any(n in (HOST_TIER, DISK_TIER) for n in names):
-    first = next(i for i, n in enumerate(names) if n in (HOST_TIER, DISK_TIER))
-    devices = placement.devices_of(leaves[first])
-    placement.check_memory_kind(placement.HOST_KIND, devices[0], argument="tiers")
+          asked[i] = f"`state_memory_kind`={state_memory_kind if tiers is None else tiers!r}"
+  checked = set()
+  for leaf, kind, words in zip(leaves, kinds, asked):
+    device = placement.devices_of(leaf)[0]
+    if words is not None and (device.platform, device.id, kind) not in checked:
+      _check_available(words, kind, device, owner)
+      checked.add((device.platform, device.id, kind))
   return names, kinds
+
+
+def _leaf_placement(value: str | None, param_kind: str, path: str, owner: str) -> tuple[str, str]:
+  """One leaf's ``(tier, state memory kind)`` for the placement asked for (None: beside the param)."""
+  on_host = param_kind == placement.HOST_KIND
+  if on_host and value == DISK_TIER:
+    raise ValueError(
+        f"{owner}: the param at {path} lives in host memory, so it is updated on the host; give it "
+        "state_memory_kind='host' or 'pinned_host' (its moments in host memory), not 'disk'.")
+  kind = param_kind if value is None else STATE_KIND.get(value, value)
+  if on_host:  # computed on the host, wherever its state is; or, asked for, on the device a slice at a time
+    return (HOST_STATE_TIER if value == HOST_STATE_TIER else HOST_TIER), kind
+  if value in (HOST_STATE_TIER, HOST_TIER, DISK_TIER):
+    return value, kind
+  return (DEVICE_TIER if kind == placement.DEVICE_KIND else HOST_STATE_TIER), kind
 
 
 def zero1_sharding(param: Any, axis: str, owner: str = "optax_hybrid") -> Any:
@@ -236,6 +334,6 @@ def master_needed(param_dtype: Any, master_dtype: Any) -> bool:
           and param_dtype.itemsize < np.dtype(master_dtype).itemsize)
 
 
-__all__ = ["DEVICE_TIER", "DISK_TIER", "HOST_STATE_TIER", "HOST_TIER", "STATE_KIND", "TIERS", "TierSpec",
-           "check_fraction", "check_tier_spec", "master_needed",
+__all__ = ["DEVICE_TIER", "DISK_TIER", "Fractions", "HOST_STATE_TIER", "HOST_TIER", "PLACEMENTS", "PlacementSpec",
+           "STATE_KIND", "TIERS", "TierSpec", "by_fraction", "check_fraction", "check_placement_spec", "master_needed",
            "whole_leading_axes", "pick_by_fraction", "resolve", "zero1_sharding"]

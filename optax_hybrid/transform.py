@@ -19,10 +19,10 @@ import numpy as np
 import optax
 from optax._src import numerics
 
-from optax_hybrid import _compat, disk, packing, pipeline, placement
+from optax_hybrid import _commit_check, _compat, disk, packing, pipeline, placement
 from optax_hybrid.base import STATE_TYPES, UpdateRule, is_state
 from optax_hybrid.kernels import packed, quantized
-from optax_hybrid.options import OPTION_NAMES, Options, check_learning_rate, make_options
+from optax_hybrid.options import OPTION_NAMES, Options, check_learning_rate, make_options, placement_words
 from optax_hybrid.plan import LeafPlan, Plan, make_plan
 
 
@@ -90,16 +90,19 @@ class HybridOptimizer(optax.GradientTransformationExtraArgs):
       state: this optimizer's state.
       by_rows: a tree of bools shaped like ``params`` or a prefix of it
         (``{"layers": True, "embed": False, ...}``): the leaves stepped by
-        rows of their first axis. Each must run on the device (tier
-        ``"device"`` or ``"host_state"``), with that axis whole on every
-        device (on a mesh, split the other axes: ``P(None, "fsdp", ...)``).
+        rows of their first axis. Each must run on the device
+        (``state_memory_kind`` ``"device"`` or ``"host_state"``, or
+        ``"pinned_host"`` for a param in device memory), with that axis whole
+        on every device (on a mesh, split the other axes:
+        ``P(None, "fsdp", ...)``).
 
     Returns:
       A :class:`StepInParts`.
 
     Raises:
-      ValueError: for a marked leaf in the ``host`` or ``disk`` tier, with its
-        first axis split over devices, or a scalar; for ``skip_nonfinite=True``.
+      ValueError: for a marked leaf updated on the host or on disk (the
+        message names the ``state_memory_kind`` given), with its first axis
+        split over devices, or a scalar; for ``skip_nonfinite=True``.
 
     Example:
       >>> import jax, jax.numpy as jnp, optax_hybrid
@@ -189,7 +192,7 @@ def building_block(rule: UpdateRule, *, mask: Any = None, **options: Any) -> opt
   """``rule``'s direction without the learning rate (run at -1), for users who compose their own chain.
 
   Master weights need the learning rate inside the step, so ``master`` and
-  ``master_dtype`` are not options here; nor is the fused ``step``.
+  its older spelling ``master_dtype`` are not options here; nor is the fused ``step``.
   """
   rule.check()
   accepted = tuple(name for name in OPTION_NAMES if name not in ("master", "master_dtype"))
@@ -364,6 +367,7 @@ def _init(params: Any, rule: UpdateRule, o: Options, disk_store: list, stepped_r
   else:
     fields = {n: treedef.unflatten([leaf[n] for leaf in per_leaf]) for n in names}
   counter = lambda: placement.step_counter_like(jax.tree.leaves(fields))
+  _commit_check.watch(params, plan, rule.owner, placement_words(o))
   return _make_state(rule, count=counter(), skipped=counter(), plan=plan, **fields)
 
 
@@ -439,6 +443,8 @@ class _Engine:
     plan = getattr(state, "plan", None)
     if type(state) is not self.rule.state_type or not isinstance(plan, Plan):
       raise self._state_error(state)
+    if _compat.is_tracer(state.count):  # inside the user's jitted step, as it is traced
+      _commit_check.check_first_step(plan)
     treedef, leaves = pipeline.gather(grads, state, params, plan, write_params, self.disk_store)
     step_ok = placement.all_finite([leaf.grad for leaf in leaves]) if self.options.execution.skip_nonfinite else None
     stepped, s = self._scalars(state, plan, step_ok)
@@ -453,11 +459,13 @@ class _Engine:
       raise ValueError(f"{self.rule.owner}: skip_nonfinite=True cannot skip a step taken in parts (the optimizer "
                        "in the backward pass): a layer is stepped before the gradients of the layers under it "
                        "exist. Build the optimizer with skip_nonfinite=False.")
+    if _compat.is_tracer(state.count):
+      _commit_check.check_first_step(plan)
     if plan.layout is not None:
       raise ValueError(f"{self.rule.owner}: a step in parts (begin_step, step_in_backward) steps each leaf's "
                        "state in place, one array per leaf; this state is packed. Build the optimizer with "
                        "state_layout='leaves' (the default).")
-    rows = _rows_stepped(by_rows, params, plan)
+    rows = _rows_stepped(by_rows, params, plan, placement_words(self.options))
     shaped = lambda tree: jax.tree.map(lambda p: jax.ShapeDtypeStruct(np.shape(p), jnp.asarray(p).dtype), tree)
     treedef, leaves = pipeline.gather(shaped(params), state, params, plan, True, self.disk_store)
     stepped, s = self._scalars(state, plan, None)
@@ -500,8 +508,11 @@ def _engine(rule: UpdateRule, learning_rate: Any, o: Options) -> HybridOptimizer
   return HybridOptimizer(engine.init, engine.update)
 
 
-def _rows_stepped(by_rows: Any, params: Any, plan: Plan) -> list[int]:
-  """The indices of the leaves ``by_rows`` marks, each checked: run on the device, with rows every device holds."""
+def _rows_stepped(by_rows: Any, params: Any, plan: Plan, words: str) -> list[int]:
+  """The indices of the leaves ``by_rows`` marks, each checked: run on the device, with rows every device holds.
+
+  ``words``: the placement as the user wrote it (:func:`optax_hybrid.options.placement_words`), for messages.
+  """
   owner = plan.owner
   try:
     marks = jax.tree.leaves(jax.tree.map(lambda m, sub: jax.tree.map(lambda _: bool(m), sub), by_rows, params))
@@ -517,9 +528,7 @@ def _rows_stepped(by_rows: Any, params: Any, plan: Plan) -> list[int]:
       raise ValueError(f"{owner}: {lp.path} is a scalar: only a leaf with rows (stacked layers) is stepped "
                        "by rows; mark it False in `by_rows`.")
     if lp.runs_on != "device" or lp.on_disk:
-      raise ValueError(f"{owner}: {lp.path} is stepped a few rows at a time, on the device, in place; it is "
-                       f"in the {lp.tier!r} tier. Give the stacked layers tiers='host_state' (state in host "
-                       "memory, stepped on the device) or 'device'.")
+      raise _not_stepped_on_the_device(lp, owner, words)
     if lp.row_axes == 0:
       raise ValueError(f"{owner}: {lp.path} is stepped a few rows of its first axis (the layers) at a time, and "
                        f"its sharding {lp.state_sharding.spec if lp.state_sharding is not None else '(unknown)'} "
@@ -527,6 +536,22 @@ def _rows_stepped(by_rows: Any, params: Any, plan: Plan) -> list[int]:
                        "layers' other axes (FSDP: PartitionSpec(None, 'fsdp', ...)) and pass placed params "
                        "to init.")
   return rows
+
+
+def _not_stepped_on_the_device(lp: LeafPlan, owner: str, words: str) -> ValueError:
+  """Why a stacked leaf cannot be stepped by rows, in the words the user chose its placement with."""
+  if lp.on_disk:
+    why = f"with {words} its moments live in files (the 'disk' placement), read and written whole"
+  elif lp.param_kind == placement.HOST_KIND:
+    why = (f"it lives in host memory, and with {words} a param in host memory is updated on the host "
+           "('pinned_host' and None say where its state lives; the update then runs where the param is)")
+  else:
+    why = f"with {words} it is updated on the host CPU (the 'host' placement)"
+  return ValueError(
+      f"{owner}: {lp.path} is one of the stacked layers, which step_in_backward (begin_step) steps a few rows at "
+      f"a time on the device, in place; {why}. Pass state_memory_kind='host_state' (the state in host memory, "
+      "stepped on the device, wherever the param lives), or 'device', for the stacked layers: for every leaf, "
+      "or per leaf as a tree or callable ({'layers': 'host_state', ...}).")
 
 
 def _rows_of(tree: Any, name: str, rows: list[int], leaves: list, plan: Plan, n: int | None = None) -> list:

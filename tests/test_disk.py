@@ -30,7 +30,7 @@ def test_disk_tier_equals_the_device_step_and_keeps_no_moment_arrays(fused, tmp_
   params, grads = make_params(), grads_like(make_params(), 4)
   kw = dict(weight_decay=0.1, skip_nonfinite=True, kernel="xla")
   want, want_state = run(optax_hybrid.hybrid_adamw(1e-2, **kw), params, grads, fused)
-  tx = optax_hybrid.hybrid_adamw(1e-2, tiers={"emb": "disk", "w": "host", "b": "disk", "s": "device"},
+  tx = optax_hybrid.hybrid_adamw(1e-2, state_memory_kind={"emb": "disk", "w": "host", "b": "disk", "s": "device"},
                                  nvme_offload_dir=tmp_path, **kw)
   got, state = run(tx, params, grads, fused)
   mu_files, nu_files = disk.files_of(state, "mu"), disk.files_of(state, "nu")
@@ -70,7 +70,7 @@ def test_moments_live_in_one_private_nameless_file_freed_on_close(given, tmp_pat
   params = make_params()
   directory = str(tmp_path) if given else tempfile.gettempdir()
   before = set(nameless_files(directory))
-  tx = optax_hybrid.hybrid_adamw(1e-2, weight_decay=0.0, tiers="disk", nvme_offload_dir=tmp_path if given else None)
+  tx = optax_hybrid.hybrid_adamw(1e-2, weight_decay=0.0, state_memory_kind="disk", nvme_offload_dir=tmp_path if given else None)
   state = tx.init(params)
   moments = [m for field in ("mu", "nu")
              for m in jax.tree.leaves(disk.files_of(state, field), is_leaf=lambda x: isinstance(x, disk.DiskMoment))]
@@ -100,7 +100,7 @@ import jax, jax.numpy as jnp, optax_hybrid
 params = {"w": jnp.ones((64, 64)), "b": jnp.ones(64)}
 alive = []  # both optimizers and states stay alive until the kill
 for directory, options in ((sys.argv[1], {}), (None, {"moment_format": "8bit"})):
-  tx = optax_hybrid.hybrid_adamw(1e-2, weight_decay=0.0, tiers="disk", nvme_offload_dir=directory, **options)
+  tx = optax_hybrid.hybrid_adamw(1e-2, weight_decay=0.0, state_memory_kind="disk", nvme_offload_dir=directory, **options)
   state = tx.init(params)
   alive.append((tx, jax.block_until_ready(jax.jit(tx.step)(params, state, params))))
 print("STEPPED", flush=True)
@@ -121,12 +121,12 @@ def test_a_killed_process_leaves_no_disk_tier_file(tmp_path):
 
 def test_bad_directories_are_refused_before_any_step(tmp_path):
   with pytest.raises(ValueError, match="`nvme_offload_dir`=.* does not exist"):
-    optax_hybrid.hybrid_adamw(1e-3, weight_decay=0.0, nvme_offload_fraction=0.5, nvme_offload_dir=tmp_path / "missing")
+    optax_hybrid.hybrid_adamw(1e-3, weight_decay=0.0, state_memory_kind=optax_hybrid.by_fraction(disk=0.5),
+                              nvme_offload_dir=tmp_path / "missing")
   (tmp_path / "file").write_text("x")
   with pytest.raises(ValueError, match="is not a directory"):
-    optax_hybrid.hybrid_adamw(1e-3, weight_decay=0.0, nvme_offload_fraction=0.5, nvme_offload_dir=tmp_path / "file")
-  with pytest.raises(ValueError, match=r"`offload_fraction` \+ `nvme_offload_fraction`"):
-    optax_hybrid.hybrid_adamw(1e-3, weight_decay=0.0, offload_fraction=0.6, nvme_offload_fraction=0.6)
+    optax_hybrid.hybrid_adamw(1e-3, weight_decay=0.0, state_memory_kind=optax_hybrid.by_fraction(disk=0.5),
+                              nvme_offload_dir=tmp_path / "file")
 
 
 def unwritable_directories(tmp_path):
@@ -148,7 +148,8 @@ def test_read_only_directory_is_refused(tmp_path):
   try:
     for d in directories:
       with pytest.raises(ValueError, match="is not writable"):
-        optax_hybrid.hybrid_adamw(1e-3, weight_decay=0.0, nvme_offload_fraction=0.5, nvme_offload_dir=d)
+        optax_hybrid.hybrid_adamw(1e-3, weight_decay=0.0, state_memory_kind=optax_hybrid.by_fraction(disk=0.5),
+                                  nvme_offload_dir=d)
   finally:
     if (tmp_path / "ro").exists():
       (tmp_path / "ro").chmod(0o700)
@@ -158,7 +159,8 @@ def test_nvme_offload_fraction_picks_leaves_by_size(tmp_path):
   params = make_params()
   # Leaves in order: b (4), emb (320), s (1), w (32): 357 params; 50% = 178.5:
   # b (2 <= 178.5) and emb (4 + 160 <= 178.5) go to disk, then s (324.5) and w do not.
-  tx = optax_hybrid.hybrid_adamw(1e-3, weight_decay=0.0, nvme_offload_fraction=0.5, nvme_offload_dir=tmp_path)
+  tx = optax_hybrid.hybrid_adamw(1e-3, weight_decay=0.0, state_memory_kind=optax_hybrid.by_fraction(disk=0.5),
+                                 nvme_offload_dir=tmp_path)
   state = tx.init(params)
   assert state.plan.tiers == ("disk", "disk", "device", "device")
   tx.close()
@@ -168,9 +170,9 @@ def test_nvme_offload_fraction_picks_leaves_by_size(tmp_path):
 def test_disk_tier_with_a_master_and_bf16_params(tmp_path):
   params = make_params(jnp.bfloat16)
   grads = grads_like(params, 3)
-  kw = dict(weight_decay=0.1, master_dtype=jnp.float32, mu_dtype=jnp.float32, nu_dtype=jnp.float32)
+  kw = dict(weight_decay=0.1, master="float32", moment_format="float32")
   want, want_state = run(optax_hybrid.hybrid_adamw(1e-2, **kw), params, grads)
-  tx = optax_hybrid.hybrid_adamw(1e-2, tiers="disk", nvme_offload_dir=tmp_path, **kw)
+  tx = optax_hybrid.hybrid_adamw(1e-2, state_memory_kind="disk", nvme_offload_dir=tmp_path, **kw)
   got, state = run(tx, params, grads)
   assert state.master["emb"].sharding.memory_kind == "pinned_host"
   for k in params:
@@ -183,14 +185,14 @@ def test_disk_tier_with_a_master_and_bf16_params(tmp_path):
 def test_checkpoint_saves_and_restores_the_files(tmp_path):
   pytest.importorskip("orbax.checkpoint")
   params, grads = make_params(), grads_like(make_params(), 4)
-  tx = optax_hybrid.hybrid_adamw(1e-2, weight_decay=0.0, tiers={"emb": "disk", "w": "host", "b": "disk", "s": "device"},
+  tx = optax_hybrid.hybrid_adamw(1e-2, weight_decay=0.0, state_memory_kind={"emb": "disk", "w": "host", "b": "disk", "s": "device"},
                                  nvme_offload_dir=tmp_path)
   params, state = run(tx, params, grads[:2])
   manager = optax_hybrid.checkpoint.manager(tmp_path / "ckpt")
   optax_hybrid.checkpoint.save(manager, 2, {"params": params, "opt_state": state}, wait=True)
   straight = run(tx, params, grads[2:], state=state)
   # A new run (new files, zeros) restored from the checkpoint continues identically.
-  tx2 = optax_hybrid.hybrid_adamw(1e-2, weight_decay=0.0, tiers={"emb": "disk", "w": "host", "b": "disk", "s": "device"},
+  tx2 = optax_hybrid.hybrid_adamw(1e-2, weight_decay=0.0, state_memory_kind={"emb": "disk", "w": "host", "b": "disk", "s": "device"},
                                   nvme_offload_dir=tmp_path)
   fresh = {"params": make_params(), "opt_state": tx2.init(make_params())}
   restored = optax_hybrid.checkpoint.restore(manager, fresh)
@@ -211,7 +213,7 @@ def test_nnx_checkpoint_of_disk_moments_keeps_the_plan_or_is_refused(tmp_path):
 
   def make():
     model = nnx.Linear(8, 4, rngs=nnx.Rngs(0))
-    return model, nnx.Optimizer(model, optax_hybrid.hybrid_adamw(1e-2, weight_decay=0.0, tiers="disk", nvme_offload_dir=tmp_path),
+    return model, nnx.Optimizer(model, optax_hybrid.hybrid_adamw(1e-2, weight_decay=0.0, state_memory_kind="disk", nvme_offload_dir=tmp_path),
                                 wrt=nnx.Param)
 
   model, optimizer = make()

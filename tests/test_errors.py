@@ -78,7 +78,7 @@ GRADS_BF16 = jax.tree.map(lambda x: x.astype(jnp.bfloat16), GRADS)
 
 
 def closed_disk_state():
-  tx = hybrid(tiers="disk")
+  tx = hybrid(state_memory_kind="disk")
   state = tx.init(PARAMS)
   tx.close()
   return tx.update(GRADS, state, PARAMS)
@@ -93,6 +93,15 @@ class FakeShardedParam:
     memories = lambda: [types.SimpleNamespace(kind="device"), types.SimpleNamespace(kind="pinned_host")]
     devices = [types.SimpleNamespace(platform="cpu", id=i, addressable_memories=memories) for i in range(2)]
     self.sharding = types.SimpleNamespace(device_set=devices, memory_kind="device")
+
+
+class FakeParamWithoutHost:
+  """A param on a device that has device memory only (a GPU whose runtime offers no pinned_host)."""
+
+  shape, dtype, ndim = (4,), np.dtype(np.float32), 1
+
+  def __init__(self):
+    self.sharding = types.SimpleNamespace(device_set=[fake_device_without_host()], memory_kind="device")
 
 
 def empty_manager():
@@ -120,7 +129,7 @@ def restore_masters(masters_from=None, params_like=PARAMS_BF16):
   """Restores a checkpoint saved without master weights into a state that keeps them."""
   manager = empty_manager()
   optax_hybrid.checkpoint.save(manager, 1, {"params": PARAMS_BF16, "opt": hybrid().init(PARAMS_BF16)}, wait=True)
-  like = {"params": PARAMS_BF16, "opt": hybrid(master_dtype=jnp.float32).init(PARAMS_BF16)}
+  like = {"params": PARAMS_BF16, "opt": hybrid(master="float32").init(PARAMS_BF16)}
   kw = {} if masters_from is None else {"masters_from": masters_from}
   return optax_hybrid.checkpoint.restore(manager, like=like, **kw)
 
@@ -136,7 +145,7 @@ def restore_other_master_format():
 
 def disk_state_without_its_plan(restore=False):
   """A disk-tier state as a plain dict (as nnx.state gives it): the plan naming its files is left out."""
-  tx = hybrid(tiers="disk")
+  tx = hybrid(state_memory_kind="disk")
   state = tx.init(PARAMS)
   manager = empty_manager()
   if not restore:
@@ -177,10 +186,10 @@ TRIGGERS = {
     "flag-type": lambda: hybrid(adamw_mode="yes"),
     "kernel-unknown": lambda: hybrid(kernel="cuda"),
     "moment-format-unknown": lambda: hybrid(moment_format="int8"),
-    "moment-format-and-dtypes": lambda: hybrid(moment_format="8bit", nu_dtype=jnp.bfloat16),
+    "moment-format-and-dtypes": lambda: hybrid(moment_format="8bit", mu_dtype=jnp.bfloat16),
     "quantized-state-no-scales": lambda: _update_without_scales(),
     "memory-kind-unknown": lambda: hybrid(state_memory_kind="unpinned_host"),
-    "memory-kind-missing": lambda: placement.check_memory_kind("pinned_host", fake_device_without_host()),
+    "memory-kind-missing": lambda: hybrid(state_memory_kind="host").init({"w": FakeParamWithoutHost()}),
     "memory-kind-callable": lambda: hybrid(state_memory_kind=lambda path, p: "vram").init({"w": PARAMS["w"]}),
     "moment-dtype": lambda: hybrid(mu_dtype=jnp.int8),
     "mask-alias-twice": lambda: hybrid(mask={"w": True, "b": False}, weight_decay_mask={"w": True, "b": False}),
@@ -202,20 +211,23 @@ TRIGGERS = {
     "mask-traced": lambda: jax.jit(
         hybrid(weight_decay=0.1, mask=lambda p: jax.tree.map(lambda x: x.sum() > 0, p)).init)(PARAMS),
     "fused-needs-params": lambda: hybrid().step(None, hybrid().init(PARAMS), GRADS),
-    "tiers-unknown": lambda: hybrid(tiers={"w": "gpu", "b": "host"}),
-    "tiers-disk-host-param": lambda: hybrid(tiers="disk").init({"w": jax.device_put(
+    "placement-unknown": lambda: hybrid(state_memory_kind={"w": "gpu", "b": "host"}),
+    "placement-disk-host-param": lambda: hybrid(state_memory_kind="disk").init({"w": jax.device_put(
         jnp.ones(3), jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="pinned_host"))}),
     "tiers-and-kind": lambda: hybrid(tiers="host", state_memory_kind="pinned_host"),
-    "tiers-tree": lambda: hybrid(tiers={"w": "host", "x": "device"}).init(PARAMS),
+    "placement-tree": lambda: hybrid(state_memory_kind={"w": "host", "x": "device"}).init(PARAMS),
+    "by-fraction-range": lambda: optax_hybrid.by_fraction(host=-0.1),
+    "by-fraction-sum": lambda: optax_hybrid.by_fraction(host=0.7, disk=0.4),
+    "by-fraction-rest": lambda: optax_hybrid.by_fraction(host=0.5, rest=optax_hybrid.by_fraction(disk=0.1)),
+    "by-fraction-twice": lambda: hybrid(offload_fraction=0.2, state_memory_kind=optax_hybrid.by_fraction(host=0.1)),
     "offload-fraction": lambda: hybrid(offload_fraction=-0.1),
-    "offload-fraction-sum": lambda: hybrid(offload_fraction=0.7, nvme_offload_fraction=0.4),
-    "master-dtype": lambda: hybrid(master_dtype=jnp.complex64),
-    "master-needs-params": lambda: hybrid(master_dtype=jnp.float32, weight_decay=0.0).update(
-        GRADS_BF16, hybrid(master_dtype=jnp.float32, weight_decay=0.0).init(PARAMS_BF16)),
+    "master-dtype": lambda: hybrid(master=jnp.complex64),
+    "master-needs-params": lambda: hybrid(master="float32", weight_decay=0.0).update(
+        GRADS_BF16, hybrid(master="float32", weight_decay=0.0).init(PARAMS_BF16)),
     "master-name": lambda: hybrid(master="bf16"),
     "master-both": lambda: hybrid(master="kahan", master_dtype=jnp.float32),
     "state-layout-unknown": lambda: hybrid(state_layout="flat"),
-    "packed-placement": lambda: hybrid(state_layout="packed", tiers="host"),
+    "packed-placement": lambda: hybrid(state_layout="packed", state_memory_kind="host"),
     "packed-pallas": lambda: hybrid(state_layout="packed", kernel="pallas"),
     "packed-sharded": lambda: hybrid(state_layout="packed").init({"w": FakeShardedParam()}),
     "packed-state": lambda: update_with_state(hybrid(state_layout="packed"),
@@ -233,10 +245,10 @@ TRIGGERS = {
     "flat-params-mask-mixed": lambda: optax_hybrid.flatten_params(PARAMS).mask_from_tree({"w": True, "b": False}),
     "packed-in-parts": lambda: hybrid(state_layout="packed").begin_step(
         STACKED, hybrid(state_layout="packed").init(STACKED), {"embed": False, "layers": True}),
-    "nvme-dir-missing": lambda: hybrid(nvme_offload_fraction=0.5, nvme_offload_dir="/nonexistent/optax_hybrid"),
-    "nvme-dir-not-dir": lambda: hybrid(nvme_offload_fraction=0.5, nvme_offload_dir=tmp_file()),
+    "nvme-dir-missing": lambda: hybrid(state_memory_kind="disk", nvme_offload_dir="/nonexistent/optax_hybrid"),
+    "nvme-dir-not-dir": lambda: hybrid(state_memory_kind="disk", nvme_offload_dir=tmp_file()),
     "nvme-closed": closed_disk_state,
-    "nvme-sharded": lambda: hybrid(tiers="disk").init({"w": FakeShardedParam()}),
+    "nvme-sharded": lambda: hybrid(state_memory_kind="disk").init({"w": FakeShardedParam()}),
     "zero1-type": lambda: hybrid(shard_state_over=0),
     "zero1-no-mesh": lambda: hybrid(shard_state_over="data").init(PARAMS),
     "recipe-lr-range": lambda: recipe(learning_rate=-1e-3),
@@ -293,6 +305,8 @@ TRIGGERS = {
 }
 
 STACKED = {"embed": jnp.ones((3, 4)), "layers": {"w": jnp.ones((2, 4, 4)), "gain": jnp.ones(2)}}
+# The layers in host memory, as scan_layers streams them.
+STACKED_IN_HOST = {"embed": STACKED["embed"], "layers": jax.device_put(STACKED["layers"], HOST_MEMORY)}
 
 
 def step_in_backward(tx, params=STACKED, head=lambda rest, x, b: x.sum(), embed=lambda rest, b: rest["embed"][b],
@@ -329,7 +343,11 @@ TRIGGERS.update({
         *split_layers_state()),
     "backward-tx": lambda: optax_hybrid.step_in_backward(optax.chain(hybrid()), None, None, None),
     "backward-layers-key": lambda: step_in_backward(hybrid(), {"embed": STACKED["embed"], "blocks": STACKED["layers"]}),
-    "backward-tier": lambda: step_in_backward(hybrid(tiers="host")),
+    "backward-host-layers-pinned-host": lambda: step_in_backward(hybrid(state_memory_kind="pinned_host"),
+                                                                 params=STACKED_IN_HOST),
+    "backward-host-layers-default": lambda: step_in_backward(hybrid(), params=STACKED_IN_HOST),
+    "backward-host-placement": lambda: step_in_backward(hybrid(state_memory_kind="host")),
+    "backward-disk-placement": lambda: step_in_backward(hybrid(state_memory_kind={"embed": None, "layers": "disk"})),
     "backward-loss": lambda: step_in_backward(hybrid(), head=lambda rest, x, b: x.sum(-1)),
     "backward-skip-nonfinite": lambda: step_in_backward(hybrid(skip_nonfinite=True)),
     "backward-results-order": step_in_backward_results_unpacked_in_the_old_order,

@@ -48,12 +48,16 @@ def test_master_dtype_float32_is_master_float32():
                                   optax_hybrid.hybrid_adagrad])
 def test_bad_master_arguments_name_the_argument_and_the_fix(make):
   with pytest.raises(ValueError, match=r"unknown `master`='bf16'; accepted values are 'float32', 'kahan', "
-                                       r"'stochastic' \(or None"):
+                                       r"'stochastic', a real floating dtype such as jnp.float32"):
     make(1e-3, master="bf16")
-  with pytest.raises(ValueError, match=r"pass either `master` or `master_dtype`, not both"):
-    make(1e-3, master="kahan", master_dtype=jnp.float32)
-  with pytest.raises(ValueError, match=r"`master_dtype` must be a real floating dtype"):
-    make(1e-3, master_dtype=jnp.int32)
+  with pytest.raises(ValueError, match=r"unknown `master`=<class 'jax.numpy.int32'> \(dtype int32\)"):
+    make(1e-3, master=jnp.int32)
+
+
+def test_a_master_dtype_is_the_copy_in_it():
+  params = {"w": jnp.ones(4, jnp.bfloat16)}
+  as_name, as_dtype = (optax_hybrid.hybrid_adamw(1e-3, master=m).init(params) for m in ("float32", jnp.float32))
+  assert as_name.plan == as_dtype.plan and as_dtype.master["w"].dtype == jnp.float32
 
 
 def test_the_building_block_takes_no_master():
@@ -231,10 +235,10 @@ def _update_then_apply(tx, params, state, grads):
 VARIANTS = {
     "pallas": {"kernel": "pallas"},
     "native": {"kernel": "native"},
-    "host_state": {"tiers": "host_state", "kernel": "xla"},
-    "host": {"tiers": "host", "kernel": "native"},
-    "disk": {"tiers": "disk", "kernel": "xla"},
-    "offload_fraction": {"offload_fraction": 0.5, "kernel": "pallas"},
+    "host_state": {"state_memory_kind": "host_state", "kernel": "xla"},
+    "host": {"state_memory_kind": "host", "kernel": "native"},
+    "disk": {"state_memory_kind": "disk", "kernel": "xla"},
+    "offload_fraction": {"state_memory_kind": optax_hybrid.by_fraction(host=0.5), "kernel": "pallas"},
 }
 
 
@@ -338,7 +342,7 @@ class _Float32CopyThroughTheKernel(masters.MasterFormat):
 
 
 @pytest.mark.parametrize("options", [dict(kernel="xla"), dict(kernel="pallas"), dict(kernel="native"),
-                                     dict(tiers="host_state", kernel="xla"), dict(tiers="host", kernel="native")],
+                                     dict(state_memory_kind="host_state", kernel="xla"), dict(state_memory_kind="host", kernel="native")],
                          ids=["xla", "pallas", "native", "host_state", "host"])
 def test_a_new_master_format_is_one_value_in_masters(options, monkeypatch):
   # docs/architecture.md: a new master format is one MasterFormat value in masters.py, registered in FORMATS; the
@@ -425,7 +429,7 @@ def test_checkpoints_restore_across_master_formats(tmp_path):
 @pytest.mark.parametrize("master, kept", [("float32", 4), ("kahan", 2), ("stochastic", 0), (None, 0)])
 def test_the_memory_report_counts_what_each_format_keeps(master, kept):
   params = {"w": jnp.zeros((64, 64), jnp.bfloat16), "f": jnp.zeros((10,), jnp.float32)}
-  tx = optax_hybrid.hybrid_adamw(1e-3, master=master, tiers="host_state")
+  tx = optax_hybrid.hybrid_adamw(1e-3, master=master, state_memory_kind="host_state")
   report = optax_hybrid.memory_report(params, tx.init(params))
   assert report.by_component["master_weights"]["host"] == kept * 64 * 64
   assert report.by_component["master_weights"]["device"] == 0
@@ -480,8 +484,8 @@ def test_a_float32_master_with_float32_gradients_runs_in_the_native_kernel_as_th
   grads = [{k: jnp.asarray(rng.normal(size=v.shape), jnp.float32) for k, v in params.items()} for _ in range(3)]
   runs = {}
   for kernel in ("native", "xla"):
-    tx = optax_hybrid.hybrid_adamw(1e-2, master_dtype=jnp.float32, mu_dtype=jnp.float32, nu_dtype=jnp.float32,
-                                   tiers=tiers, kernel=kernel)
+    tx = optax_hybrid.hybrid_adamw(1e-2, master="float32", moment_format="float32",
+                                   state_memory_kind=tiers, kernel=kernel)
     p, s = params, tx.init(params)
     step = jax.jit(tx.step)
     if kernel == "native":

@@ -1,5 +1,6 @@
 """Tests for optax_hybrid.placement: host-memory moments, host compute, memory kinds."""
 
+import re
 import types
 
 import chex
@@ -179,8 +180,13 @@ def test_apply_updates_handles_every_memory_kind():
 def test_missing_memory_kind_lists_what_the_backend_has():
   device_only = types.SimpleNamespace(
       platform="fakegpu", id=3, addressable_memories=lambda: [types.SimpleNamespace(kind="device")])
-  with pytest.raises(ValueError, match=r"not available on fakegpu device 3: it has memory kinds 'device'"):
-    placement.check_memory_kind("pinned_host", device_only)
+  on_it = types.SimpleNamespace(shape=(4,), dtype=np.dtype(np.float32), ndim=1,
+                                sharding=types.SimpleNamespace(device_set=[device_only], memory_kind="device"))
+  for asked in ("pinned_host", "host", lambda path, p: "disk"):
+    words = "`state_memory_kind(['w'])`='disk'" if callable(asked) else f"`state_memory_kind`={asked!r}"
+    with pytest.raises(ValueError, match=re.escape(f"{words} keeps the state in 'pinned_host', which fakegpu "
+                                                   "device 3 does not have: it has memory kinds 'device'")):
+      optax_hybrid.hybrid_adamw(1e-3, state_memory_kind=asked).init({"w": on_it})
   assert "pinned_host" in optax_hybrid.available_memory_kinds()
 
 
@@ -228,7 +234,7 @@ def test_an_abstract_state_has_its_step_counter_replicated_over_the_params_devic
   from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
   device = jax.devices()[0]
   mesh = jax.make_mesh((1,), ("d",))
-  tx = optax_hybrid.hybrid_adamw(1e-3, tiers=tiers)
+  tx = optax_hybrid.hybrid_adamw(1e-3, state_memory_kind=tiers)
   for sharding, spec in ((SingleDeviceSharding(device), None), (NamedSharding(mesh, PartitionSpec("d")), PartitionSpec())):
     count = tx.init({"w": jax.ShapeDtypeStruct((4, 3), jnp.float32, sharding=sharding)}).count
     assert isinstance(count, jax.ShapeDtypeStruct) and count.shape == () and count.dtype == jnp.int32

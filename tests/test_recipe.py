@@ -446,7 +446,7 @@ P = {"w": jnp.ones((2, 2))}
     (dict(learning_rate=1e-3, total_steps=100, state_memory_knd="pinned_host"), TypeError,
      "unexpected keyword argument 'state_memory_knd'"),
     (dict(learning_rate=1e-3, total_steps=100, state_memory_kind="vram"), ValueError,
-     "`state_memory_kind`='vram' is not a supported memory kind"),
+     "`state_memory_kind`='vram' is not a placement"),
 ])
 def test_bad_arguments(kwargs, error, message):
   with pytest.raises(error, match=re.escape(message)):
@@ -517,7 +517,7 @@ def test_clipping_equals_optax_for_gradients_in_host_memory(scale):
 
 
 def test_our_clip_in_optax_chain_steps_host_resident_params_as_optax_does_on_the_device():
-  """optax.chain(optax_hybrid.clip_by_global_norm, hybrid_adamw(tiers="host")) on streamed layers in host memory."""
+  """optax.chain(optax_hybrid.clip_by_global_norm, hybrid_adamw(state_memory_kind="host")) on streamed layers in host memory."""
   host = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="pinned_host")
   params = {"proj": jnp.linspace(-0.5, 0.5, 16).reshape(4, 4),
             "layers": jax.device_put(jnp.stack([jnp.eye(4) * (1 + 0.1 * i) for i in range(3)]), host)}
@@ -526,7 +526,7 @@ def test_our_clip_in_optax_chain_steps_host_resident_params_as_optax_does_on_the
   def loss(p, scale):
     return scale * jnp.mean(optax_hybrid.scan_layers(lambda c, w: jnp.tanh(c @ w), x @ p["proj"], p["layers"]) ** 2)
 
-  tx = optax.chain(optax_hybrid.clip_by_global_norm(0.5), optax_hybrid.hybrid_adamw(1e-2, tiers="host"))
+  tx = optax.chain(optax_hybrid.clip_by_global_norm(0.5), optax_hybrid.hybrid_adamw(1e-2, state_memory_kind="host"))
 
   @jax.jit
   def step(p, s, scale):

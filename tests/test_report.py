@@ -80,7 +80,7 @@ def test_moments_in_host_memory():
 
 def test_bf16_params_with_f32_moments_on_host_is_the_2_to_serve_figure():
   params = on_device({"w": jnp.ones((1000,), jnp.bfloat16)})
-  tx = optax_hybrid.hybrid_adamw(1e-3, weight_decay=0.0, mu_dtype=jnp.float32, nu_dtype=jnp.float32,
+  tx = optax_hybrid.hybrid_adamw(1e-3, weight_decay=0.0, moment_format="float32",
                                  state_memory_kind="pinned_host")
   report = memory_report(params, tx.init(params))
   # 2 bytes param + 2 bytes grad on the device, 4 + 4 of moments on the host.
@@ -116,12 +116,12 @@ def test_host_params():
   assert report.saved_device_bytes == 16000
 
 
-@pytest.mark.skipif("master_dtype" not in inspect.signature(optax_hybrid.hybrid_adamw).parameters,
+@pytest.mark.skipif("master" not in inspect.signature(optax_hybrid.hybrid_adamw).parameters,
                     reason="hybrid_adamw has no master weights or tiers here")
 def test_master_weights_and_planned_tiers():
   params = on_device({"w": jnp.ones((1000,), jnp.bfloat16), "b": jnp.ones((10,), jnp.bfloat16)})
-  tx = optax_hybrid.hybrid_adamw(1e-3, weight_decay=0.0, mu_dtype=jnp.float32, nu_dtype=jnp.float32, master_dtype=jnp.float32,
-                                 tiers=lambda path, p: "host" if p.size >= 1000 else None)
+  tx = optax_hybrid.hybrid_adamw(1e-3, weight_decay=0.0, moment_format="float32", master="float32",
+                                 state_memory_kind=lambda path, p: "host" if p.size >= 1000 else None)
   report = memory_report(params, tx.init(params))
   # ZeRO-Offload's split for "w": bf16 param and grad on the device (2 + 2 bytes
   # per weight), fp32 moments and master in host memory (4 + 4 + 4).
@@ -134,12 +134,12 @@ def test_master_weights_and_planned_tiers():
   assert report.serving_bytes_per_weight == 2.0
 
 
-@pytest.mark.skipif("nvme_offload_fraction" not in inspect.signature(optax_hybrid.hybrid_adamw).parameters,
+@pytest.mark.skipif("nvme_offload_dir" not in inspect.signature(optax_hybrid.hybrid_adamw).parameters,
                     reason="hybrid_adamw has no disk tier here")
 def test_disk_tier_moments_count_as_disk(tmp_path):
   params = on_device({"w": jnp.ones((1000,), jnp.float32), "b": jnp.ones((10,), jnp.float32)})
-  tx = optax_hybrid.hybrid_adamw(1e-3, weight_decay=0.0, tiers=lambda path, p: "disk" if p.size >= 1000 else None,
-                                 nvme_offload_dir=str(tmp_path))
+  tx = optax_hybrid.hybrid_adamw(1e-3, weight_decay=0.0, nvme_offload_dir=str(tmp_path),
+                                 state_memory_kind=lambda path, p: "disk" if p.size >= 1000 else None)
   try:
     report = memory_report(params, tx.init(params))
   finally:

@@ -47,18 +47,37 @@ def test_tier_specs_string_callable_and_prefix():
   assert kinds == ["pinned_host"] * 3
 
 
-def test_bad_tier_arguments_are_named():
-  with pytest.raises(ValueError, match="`tiers`='gpu' is not a tier"):
-    optax_hybrid.hybrid_adamw(1e-3, weight_decay=0.0, tiers="gpu")
-  with pytest.raises(ValueError, match="either `tiers` or `state_memory_kind`"):
-    optax_hybrid.hybrid_adamw(1e-3, weight_decay=0.0, tiers="host", state_memory_kind="pinned_host")
-  with pytest.raises(ValueError, match=r"`offload_fraction` must be a number in \[0, 1\]"):
-    optax_hybrid.hybrid_adamw(1e-3, weight_decay=0.0, offload_fraction=1.5)
-  with pytest.raises(ValueError, match="`master_dtype` must be a real floating dtype"):
-    optax_hybrid.hybrid_adamw(1e-3, weight_decay=0.0, master_dtype=jnp.int32)
-  tx = optax_hybrid.hybrid_adamw(1e-3, weight_decay=0.0, tiers=lambda path, p: "nvme")
-  with pytest.raises(ValueError, match=r"`tiers\(\['w'\]\)`='nvme' is not a tier"):
+def test_bad_placement_arguments_are_named():
+  with pytest.raises(ValueError, match="`state_memory_kind`='gpu' is not a placement; use one of 'device', "
+                                       "'pinned_host', 'host_state', 'host', 'disk'"):
+    optax_hybrid.hybrid_adamw(1e-3, weight_decay=0.0, state_memory_kind="gpu")
+  with pytest.raises(ValueError, match=r"by_fraction: `host` must be a number in \[0, 1\]"):
+    optax_hybrid.by_fraction(host=1.5)
+  with pytest.raises(ValueError, match=r"by_fraction: `host` \+ `disk` is 1.2"):
+    optax_hybrid.by_fraction(host=0.6, disk=0.6)
+  with pytest.raises(ValueError, match="by_fraction: `rest`='gpu' is not a placement"):
+    optax_hybrid.by_fraction(host=0.5, rest="gpu")
+  with pytest.raises(TypeError, match="cannot be another by_fraction"):
+    optax_hybrid.by_fraction(host=0.5, rest=optax_hybrid.by_fraction(disk=0.1))
+  with pytest.raises(ValueError, match=r"unknown `master`=<class 'jax.numpy.int32'> \(dtype int32\)"):
+    optax_hybrid.hybrid_adamw(1e-3, weight_decay=0.0, master=jnp.int32)
+  tx = optax_hybrid.hybrid_adamw(1e-3, weight_decay=0.0, state_memory_kind=lambda path, p: "nvme")
+  with pytest.raises(ValueError, match=r"`state_memory_kind\(\['w'\]\)`='nvme' is not a placement"):
     tx.init({"w": jnp.ones(3)})
+
+
+@needs_host
+def test_memory_kinds_and_tiers_are_values_of_one_argument():
+  """``"pinned_host"`` updates a param where it lives, ``"host_state"`` on the device; the others alike."""
+  host = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="pinned_host")
+  params = {"in_device": jnp.ones((4, 4)), "in_host": jax.device_put(jnp.ones((4, 4)), host)}
+  tiers_of = lambda spec: optax_hybrid.hybrid_adamw(1e-3, state_memory_kind=spec).init(params).plan.tiers
+  assert tiers_of(None) == ("device", "host")  # leaves in key order: in_device, in_host
+  assert tiers_of("pinned_host") == ("host_state", "host")
+  assert tiers_of("host_state") == ("host_state", "host_state")
+  assert tiers_of("host") == ("host", "host")
+  assert tiers_of("device") == ("device", "host")
+  assert tiers_of({"in_device": "disk", "in_host": None}) == ("disk", "host")
 
 
 # --- every tier computes the same step -------------------------------------------
@@ -72,7 +91,7 @@ def test_every_tier_equals_the_device_step(tier_spec, fused):
   sched = optax_hybrid.warmup_cosine_schedule(1e-2, 4, 1, 1e-3)
   kw = dict(weight_decay=0.1, mask={"emb": False, "w1": True, "b1": False, "w2": True, "s": True}, kernel="xla")
   want, want_state = run(optax_hybrid.hybrid_adamw(sched, **kw), params, grads, fused)
-  got, state = run(optax_hybrid.hybrid_adamw(sched, tiers=tier_spec, **kw), params, grads, fused)
+  got, state = run(optax_hybrid.hybrid_adamw(sched, state_memory_kind=tier_spec, **kw), params, grads, fused)
   for k in params:
     np.testing.assert_allclose(np.asarray(got[k]), np.asarray(want[k]), rtol=1e-6, atol=1e-7)
     np.testing.assert_allclose(np.asarray(state.mu[k]), np.asarray(want_state.mu[k]), rtol=1e-6, atol=1e-7)
@@ -104,7 +123,7 @@ def test_a_stacked_host_state_leaf_stepped_in_slices_of_rows_equals_the_device_s
   grads = grads_like(params, 3)
   kw = dict(weight_decay=0.1, kernel="xla", mask={"stack": True, "b": False}, **kw)
   want, want_state = run(optax_hybrid.hybrid_adamw(1e-2, **kw), params, grads, fused)
-  tx = optax_hybrid.hybrid_adamw(1e-2, tiers="host_state", **kw)
+  tx = optax_hybrid.hybrid_adamw(1e-2, state_memory_kind="host_state", **kw)
   assert [lp.slice_rows for lp in tx.init(params).plan.leaves] == [0, rows]  # b is small: it crosses whole
   got, state = run(tx, params, grads, fused)
   exact = dtype == jnp.bfloat16  # a master writes the param once, rounded: the same bits
@@ -127,7 +146,7 @@ def test_a_stacked_host_state_leaf_stepped_in_slices_of_rows_equals_the_device_s
 @pytest.mark.parametrize("master, moments", [("stochastic", "8bit"), ("float32", "float32")])
 def test_host_resident_params_asked_for_host_state_are_stepped_on_the_device_and_stay_in_host_memory(
     master, moments, fused, monkeypatch):
-  # Layers streamed by scan_layers live in pinned_host; tiers="host_state" steps them on the device a slice
+  # Layers streamed by scan_layers live in pinned_host; state_memory_kind="host_state" steps them on the device a slice
   # at a time (the stack) or whole (the bias), where any other tier leaves them to the host tier.
   monkeypatch.setattr(optax_hybrid.plan, "STREAM_STAGE_BYTES", SLICED_BUDGET)
   on_device = placed_params({"stack": (6, 64, 256), "b": (256,)}, jnp.bfloat16)
@@ -135,10 +154,11 @@ def test_host_resident_params_asked_for_host_state_are_stepped_on_the_device_and
   in_host = jax.device_put(on_device, jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="pinned_host"))
   kw = dict(weight_decay=0.1, kernel="xla", master=master, moment_format=moments)
   want, _ = run(optax_hybrid.hybrid_adamw(1e-2, **kw), on_device, grads, fused)
-  tx = optax_hybrid.hybrid_adamw(1e-2, tiers="host_state", **kw)
+  tx = optax_hybrid.hybrid_adamw(1e-2, state_memory_kind="host_state", **kw)
   assert [(lp.tier, lp.runs_on, lp.slice_rows > 0) for lp in tx.init(in_host).plan.leaves] == [
       ("host_state", "device", False), ("host_state", "device", True)]
-  assert {lp.tier for lp in optax_hybrid.hybrid_adamw(1e-2, tiers="device", **kw).init(in_host).plan.leaves} == {
+  device = optax_hybrid.hybrid_adamw(1e-2, state_memory_kind="device", **kw)
+  assert {lp.tier for lp in device.init(in_host).plan.leaves} == {
       "host"}
   got, state = run(tx, in_host, [jax.device_put(g, HOST) for g in grads], fused)
   for k in on_device:
@@ -174,9 +194,9 @@ def transfers(jaxpr):
 def test_host_tier_moves_only_the_gradient_and_the_new_param_for_bf16_with_a_master():
   params = make_params(jnp.bfloat16)
   n = sum(p.size for p in jax.tree.leaves(params))
-  kw = dict(weight_decay=0.1, mu_dtype=jnp.float32, nu_dtype=jnp.float32, master_dtype=jnp.float32)
-  host = optax_hybrid.hybrid_adamw(1e-3, tiers="host", **kw)
-  host_state = optax_hybrid.hybrid_adamw(1e-3, tiers="host_state", **kw)
+  kw = dict(weight_decay=0.1, moment_format="float32", master="float32")
+  host = optax_hybrid.hybrid_adamw(1e-3, state_memory_kind="host", **kw)
+  host_state = optax_hybrid.hybrid_adamw(1e-3, state_memory_kind="host_state", **kw)
   g = grads_like(params, 1)[0]
   host_jaxpr = jax.make_jaxpr(host.step)(params, host.init(params), g)
   state_jaxpr = jax.make_jaxpr(host_state.step)(params, host_state.init(params), g)
@@ -202,7 +222,8 @@ def _depends_on(jaxpr, sources):
 @needs_host
 def test_host_and_device_work_are_independent_in_the_graph():
   params = make_params()
-  tx = optax_hybrid.hybrid_adamw(1e-3, weight_decay=0.1, offload_fraction=0.5, kernel="xla")
+  tx = optax_hybrid.hybrid_adamw(1e-3, weight_decay=0.1, state_memory_kind=optax_hybrid.by_fraction(host=0.5),
+                                 kernel="xla")
   state = tx.init(params)
   assert "host" in state.plan.tiers and "device" in state.plan.tiers
   jaxpr = jax.make_jaxpr(tx.step)(params, state, grads_like(params, 1)[0]).jaxpr
@@ -225,7 +246,8 @@ def test_host_and_device_work_are_independent_in_the_graph():
 def test_offload_fraction_chooses_leaves_by_size_and_keeps_the_result():
   params, grads = make_params(), grads_like(make_params(), 3)
   want, _ = run(optax_hybrid.hybrid_adamw(1e-2, weight_decay=0.1, kernel="xla"), params, grads)
-  got, state = run(optax_hybrid.hybrid_adamw(1e-2, weight_decay=0.1, kernel="xla", offload_fraction=0.7),
+  got, state = run(optax_hybrid.hybrid_adamw(1e-2, weight_decay=0.1, kernel="xla",
+                                             state_memory_kind=optax_hybrid.by_fraction(host=0.7)),
                    params, grads)
   # Leaves in order b1 (16), emb (400), s (1), w1 (128), w2 (64): 609 params, 70% = 426.3:
   # b1 and emb (416) fit; s (416.5 <= 426.3) too; w1 would need 416 + 1 + 64 > 426.3.
@@ -247,8 +269,8 @@ def test_bf16_with_a_master_converges_where_plain_bf16_stalls(tier):
   finals = {}
   for name, dtype, master in (("fp32", jnp.float32, None), ("bf16", jnp.bfloat16, None),
                               ("bf16+master", jnp.bfloat16, jnp.float32)):
-    tx = optax_hybrid.hybrid_adamw(lr, weight_decay=0.0, mu_dtype=jnp.float32, nu_dtype=jnp.float32, master_dtype=master,
-                                   tiers=tier)
+    tx = optax_hybrid.hybrid_adamw(lr, weight_decay=0.0, moment_format="float32", master=master,
+                                   state_memory_kind=tier)
     w = jax.device_put({"w": jnp.ones((4,), dtype)}, jax.devices()[0])
     state = tx.init(w)
     step = jax.jit(lambda w, s: tx.step(w, s, grad(w)))
@@ -271,7 +293,7 @@ def test_master_update_lands_exactly_on_the_fused_step(memory_kind):
     pytest.skip("no pinned_host")
   params = make_params(jnp.bfloat16)
   grads = grads_like(params, 4)
-  kw = dict(weight_decay=0.1, master_dtype=jnp.float32, mu_dtype=jnp.float32, nu_dtype=jnp.float32,
+  kw = dict(weight_decay=0.1, master="float32", moment_format="float32",
             state_memory_kind=memory_kind)
   fused, fused_state = run(optax_hybrid.hybrid_adamw(1e-2, **kw), params, grads, fused=True)
   contract, contract_state = run(optax_hybrid.hybrid_adamw(1e-2, **kw), params, grads, fused=False)
@@ -289,7 +311,7 @@ def test_master_update_lands_exactly_on_the_fused_step(memory_kind):
 
 def test_master_weights_only_for_lower_precision_leaves_and_need_params_for_update():
   params = {"w": jnp.ones(3, jnp.bfloat16), "b": jnp.ones(3, jnp.float32)}
-  tx = optax_hybrid.hybrid_adamw(1e-3, weight_decay=0.0, master_dtype=jnp.float32)
+  tx = optax_hybrid.hybrid_adamw(1e-3, weight_decay=0.0, master="float32")
   state = tx.init(params)
   assert state.master["w"].dtype == jnp.float32
   # "b" keeps no master: an empty entry (one array per param leaf, no bytes).
@@ -303,8 +325,8 @@ def test_master_weights_only_for_lower_precision_leaves_and_need_params_for_upda
 def test_tiers_and_master_survive_a_checkpoint(tmp_path):
   pytest.importorskip("orbax.checkpoint")
   params = make_params(jnp.bfloat16)
-  tx = optax_hybrid.hybrid_adamw(1e-3, weight_decay=0.0, tiers={"emb": "host", "w1": "host_state", "b1": "device", "w2": "host",
-                                              "s": "device"}, master_dtype=jnp.float32)
+  tx = optax_hybrid.hybrid_adamw(1e-3, weight_decay=0.0, master="float32", state_memory_kind={
+      "emb": "host", "w1": "host_state", "b1": "device", "w2": "host", "s": "device"})
   params, state = run(tx, params, grads_like(params, 2))
   manager = optax_hybrid.checkpoint.manager(tmp_path / "ckpt")
   optax_hybrid.checkpoint.save(manager, 2, {"params": params, "opt_state": state}, wait=True)
@@ -322,7 +344,7 @@ def test_host_tier_uses_the_native_kernel_inside_host_compute_on_a_cpu():
   if not native_cpu.available() or jax.default_backend() != "cpu" or jax.device_count() > 1:
     pytest.skip("the native kernel runs in host compute on a single-device CPU backend")
   params, grads = make_params(), grads_like(make_params(), 3)
-  kw = dict(weight_decay=0.1, tiers="host", skip_nonfinite=True)
+  kw = dict(weight_decay=0.1, state_memory_kind="host", skip_nonfinite=True)
   native = optax_hybrid.hybrid_adamw(1e-2, kernel="native", **kw)
   text = jax.jit(native.step).lower(params, native.init(params), grads[0]).as_text()
   assert native_cpu.TARGET in text
@@ -344,7 +366,7 @@ def test_a_host_group_lowered_for_cuda_runs_the_reference_not_the_devices_pallas
   from optax_hybrid import kernels
   params = {"d": jnp.ones((8, 8)), "h": jnp.ones((8, 8))}
   for spec, launches in (({"d": "device", "h": "host"}, 1), ("host", 0)):
-    tx = optax_hybrid.hybrid_adamw(1e-3, weight_decay=0.1, tiers=spec)
+    tx = optax_hybrid.hybrid_adamw(1e-3, weight_decay=0.1, state_memory_kind=spec)
     state = tx.init(params)
     step = tx.step if fused else (lambda p, s, g: tx.update(g, s, p))
     with kernels.lowering_for("cuda"):
@@ -364,11 +386,10 @@ def test_pick_by_fraction_takes_a_leaf_exactly_half_inside_and_never_an_empty_on
 @needs_host
 def test_fractions_zero_and_one_are_valid_and_mean_none_and_all():
   params = make_params()
-  for name in ("offload_fraction", "nvme_offload_fraction"):
-    none = optax_hybrid.hybrid_adamw(1e-3, **{name: 0.0}).init(params)
+  for tier in ("host", "disk"):
+    none = optax_hybrid.hybrid_adamw(1e-3, state_memory_kind=optax_hybrid.by_fraction(**{tier: 0.0})).init(params)
     assert none.plan.tiers == ("device",) * 5
-    every = optax_hybrid.hybrid_adamw(1e-3, **{name: 1.0})
-    tier = "host" if name == "offload_fraction" else "disk"
+    every = optax_hybrid.hybrid_adamw(1e-3, state_memory_kind=optax_hybrid.by_fraction(**{tier: 1.0}))
     # The scalar "s" is one element: half of it fits in any fraction at the end.
     assert every.init(params).plan.tiers == (tier,) * 5
     every.close()
@@ -384,7 +405,8 @@ def test_master_needed_only_for_lower_precision_floats_and_only_with_a_master_dt
 
 def test_the_plan_is_immutable_hashable_static_data():
   import dataclasses
-  state = optax_hybrid.hybrid_adamw(1e-3, weight_decay=0.0, offload_fraction=0.5).init(make_params())
+  state = optax_hybrid.hybrid_adamw(1e-3, weight_decay=0.0,
+                                    state_memory_kind=optax_hybrid.by_fraction(host=0.5)).init(make_params())
   plan = state.plan
   copy = optax_hybrid.plan.Plan(tuple(dataclasses.replace(leaf) for leaf in plan.leaves), plan.kernel, plan.split,
                                 plan.mesh, plan.fields, plan.owner, plan.static_zeros, master=plan.master,

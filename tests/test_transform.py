@@ -72,7 +72,7 @@ def test_matches_float64_reference(bias_correction, adamw_mode, weight_decay):
 def test_decay_mask_is_honoured():
   params = make_params()
   zero_grads = [{k: np.zeros(s, np.float32) for k, s in SHAPES.items()}]
-  tx = optax_hybrid.hybrid_adamw(0.1, weight_decay=0.5, weight_decay_mask={"w": True, "b": False, "s": True})
+  tx = optax_hybrid.hybrid_adamw(0.1, weight_decay=0.5, mask={"w": True, "b": False, "s": True})
   (new,), _ = run(tx, params, zero_grads)
   np.testing.assert_allclose(new["w"], np.asarray(params["w"]) * (1 - 0.05), rtol=1e-6)
   np.testing.assert_array_equal(new["b"], params["b"])
@@ -105,8 +105,8 @@ def test_signature_is_optax_adamws_then_keyword_only_options():
   keyword_only = {p.name: p.default for p in ours if p.kind is inspect.Parameter.KEYWORD_ONLY}
   assert keyword_only["nesterov"] is False and list(keyword_only)[0] == "nesterov"
   # Every option of ours is keyword-only, with its default.
-  assert {"state_memory_kind", "tiers", "kernel", "moment_format", "master_dtype", "skip_nonfinite"} <= set(keyword_only)
-  assert keyword_only["kernel"] == "auto" and keyword_only["tiers"] is None
+  assert {"state_memory_kind", "kernel", "moment_format", "master", "skip_nonfinite"} <= set(keyword_only)
+  assert keyword_only["kernel"] == "auto" and keyword_only["state_memory_kind"] is None
 
 
 @pytest.mark.parametrize("args,kwargs", [
@@ -264,7 +264,7 @@ def test_bf16_params_with_fp32_moments():
   params = make_params(dtype=jnp.bfloat16)
   grads = make_grads(10)
   grads_bf16 = [{k: jnp.asarray(v, jnp.bfloat16) for k, v in g.items()} for g in grads]
-  tx = optax_hybrid.hybrid_adamw(1e-2, weight_decay=0.1, mu_dtype=jnp.float32, nu_dtype=jnp.float32)
+  tx = optax_hybrid.hybrid_adamw(1e-2, weight_decay=0.1, moment_format="float32")
   history, state = run(tx, params, grads_bf16)
   for leaf in jax.tree.leaves(state.mu) + jax.tree.leaves(state.nu):
     assert leaf.dtype == jnp.float32
@@ -287,7 +287,7 @@ def test_default_moment_dtype_follows_params_and_updates_promote():
   assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(state.mu))
   updates, _ = tx.update(grads, state, params)
   assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(updates))
-  tx32 = optax_hybrid.hybrid_adamw(1e-3, weight_decay=0.0, mu_dtype=jnp.float32, nu_dtype=jnp.float32)
+  tx32 = optax_hybrid.hybrid_adamw(1e-3, weight_decay=0.0, moment_format="float32")
   updates32, _ = tx32.update(grads, tx32.init(params), params)
   assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(updates32))
 
@@ -478,7 +478,7 @@ def test_step_equals_update_then_apply(kernel, tier):
 def test_step_rounds_bf16_params_once():
   params = make_params(dtype=jnp.bfloat16)
   grads = [{k: jnp.asarray(v, jnp.bfloat16) for k, v in g.items()} for g in make_grads(6)]
-  tx = optax_hybrid.hybrid_adamw(1e-2, weight_decay=0.1, mu_dtype=jnp.float32, nu_dtype=jnp.float32)
+  tx = optax_hybrid.hybrid_adamw(1e-2, weight_decay=0.1, moment_format="float32")
   ref, _ = adamw_steps_stored_as(params, grads, 1e-2, ml_dtypes.bfloat16, weight_decay=0.1)
   p, s = params, tx.init(params)
   step = jax.jit(tx.step)

@@ -100,7 +100,7 @@ def compile_for_gpu(fn: Callable, *args: Any, target: str = "h100", num_devices:
 
   Example::
 
-    tx = optax_hybrid.hybrid_adamw(1e-3, tiers="host")
+    tx = optax_hybrid.hybrid_adamw(1e-3, state_memory_kind="host")
     params = {"w": jax.ShapeDtypeStruct((4096, 4096), jnp.float32,
                                         sharding=jax.sharding.SingleDeviceSharding(jax.devices()[0]))}
     state = tx.init(params)  # not jax.eval_shape(tx.init, ...): JAX 0.10 drops its memory kinds

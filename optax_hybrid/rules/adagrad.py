@@ -99,7 +99,7 @@ def hybrid_adagrad(
 
   Example:
     >>> import jax.numpy as jnp, optax_hybrid
-    >>> tx = optax_hybrid.hybrid_adagrad(0.1, tiers="host_state")
+    >>> tx = optax_hybrid.hybrid_adagrad(0.1, state_memory_kind="host_state")
     >>> params = {"w": jnp.ones(2)}
     >>> params, state = tx.step(params, tx.init(params), {"w": jnp.array([3.0, 0.0])})
     >>> [round(float(x), 4) for x in params["w"]]  # 1 - 0.1 * 3 / sqrt(0.1 + 9)

@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optax_hybrid import _checks, transform
+from optax_hybrid import _checks, _deprecations, transform
 from optax_hybrid.base import DECOUPLED, Field, L2, UpdateRule, f32, is_static_zero
 from optax_hybrid.options import MaskOrFn, ScalarOrSchedule, takes_options
 
@@ -40,10 +40,11 @@ class HybridAdamState(NamedTuple):
     count: int32 scalar, the number of updates taken (on device).
     mu: first moments, shaped like the params, in ``mu_dtype`` and their
       state memory kind.
-    nu: second moments, likewise in ``nu_dtype`` (real for complex params).
+    nu: second moments, in the param's dtype or ``moment_format`` (real for
+      complex params).
     skipped: int32 scalar, the number of steps skipped for non-finite
       gradients (``skip_nonfinite=True``); they do not advance ``count``.
-    master: with ``master="float32"`` (or ``master_dtype``), the master copy
+    master: with ``master="float32"`` (or another dtype), the master copy
       of each lower-precision param; with ``master="kahan"``, its error term
       in the param's dtype (:mod:`optax_hybrid.masters`): a tree shaped like
       the params (an empty entry where a param keeps no master), placed with
@@ -165,12 +166,17 @@ class AdamW(UpdateRule):
     return update, (m, v)
 
 
-def _one_mask(mask: MaskOrFn, weight_decay_mask: MaskOrFn) -> MaskOrFn:
+def _older_spellings(owner: str, mask: MaskOrFn, options: dict[str, Any]) -> tuple[MaskOrFn, Any]:
+  """``(mask, nu_dtype)`` with the older ``weight_decay_mask`` and ``nu_dtype`` taken out of ``options`` (they warn)."""
+  weight_decay_mask, nu_dtype = options.pop("weight_decay_mask", None), options.pop("nu_dtype", None)
+  if nu_dtype is not None:
+    _deprecations.warn(owner, "nu_dtype", _deprecations.SPELLINGS["nu_dtype"])
   if weight_decay_mask is not None:
+    _deprecations.warn(owner, "weight_decay_mask", _deprecations.SPELLINGS["weight_decay_mask"])
     if mask is not None:
-      raise ValueError("hybrid_adamw: pass either `mask` or its alias `weight_decay_mask`, not both.")
-    return weight_decay_mask
-  return mask
+      raise ValueError(f"{owner}: pass either `mask` or its alias `weight_decay_mask`, not both.")
+    mask = weight_decay_mask
+  return mask, nu_dtype
 
 
 @takes_options()
@@ -187,8 +193,6 @@ def hybrid_adamw(
     nesterov: bool = False,
     bias_correction: bool = True,
     adamw_mode: bool = True,
-    nu_dtype: Any = None,
-    weight_decay_mask: MaskOrFn = None,
     **options: Any,
 ) -> transform.HybridOptimizer:
   r"""AdamW with placeable state: ``optax.adamw``'s arguments in its order, with its defaults.
@@ -219,16 +223,14 @@ def hybrid_adamw(
       Computed by the XLA reference.
     bias_correction: divide the moments by :math:`1 - \beta^t`.
     adamw_mode: decoupled decay (True) or L2 decay through the gradient (False).
-    nu_dtype: dtype of the second moments; ``None``: the param's dtype (its
-      real counterpart for complex params, whose second moment is real).
-    weight_decay_mask: alias of ``mask``.
     **options: the placement, storage and kernel options, keyword-only:
       :class:`~optax_hybrid.options.Placement` (``state_memory_kind``,
-      ``tiers``, ``offload_fraction``, ``nvme_offload_fraction``,
       ``nvme_offload_dir``, ``shard_state_over``),
       :class:`~optax_hybrid.options.Storage` (``moment_format``, ``master``,
-      ``master_dtype``), :class:`~optax_hybrid.options.Execution`
-      (``kernel``, ``skip_nonfinite``).
+      ``state_layout``), :class:`~optax_hybrid.options.Execution`
+      (``kernel``, ``skip_nonfinite``); and, as ``**deprecated``, the older
+      spellings, which warn once and give the same results until 0.3
+      (docs/optimizer.md, "One spelling per choice").
 
   All numeric hyperparameters may be traced, so
   ``optax.inject_hyperparams(hybrid_adamw)(...)`` works, and changing an
@@ -261,11 +263,12 @@ def hybrid_adamw(
     >>> updates, state = tx.update({"w": jnp.ones((3,))}, state, params)
     >>> params = optax_hybrid.apply_updates(params, updates)
   """
+  mask, nu_dtype = _older_spellings("hybrid_adamw", mask, options)
   rule = AdamW(b1, b2, eps, eps_root, weight_decay, nesterov, bias_correction, adamw_mode, mu_dtype, nu_dtype)
-  return transform.optimizer(rule, learning_rate, mask=_one_mask(mask, weight_decay_mask), **options)
+  return transform.optimizer(rule, learning_rate, mask=mask, **options)
 
 
-@takes_options(without=("master", "master_dtype"))
+@takes_options(without=("master",))
 def scale_by_hybrid_adam(
     b1: float = 0.9,
     b2: float = 0.999,
@@ -278,7 +281,6 @@ def scale_by_hybrid_adam(
     adamw_mode: bool = True,
     mask: MaskOrFn = None,
     mu_dtype: Any = None,
-    nu_dtype: Any = None,
     **options: Any,
 ) -> optax.GradientTransformationExtraArgs:
   r"""The Adam direction, without the learning rate, for users who compose their own chain.
@@ -288,7 +290,7 @@ def scale_by_hybrid_adam(
   ``optax.chain(scale_by_hybrid_adam(...), optax.scale_by_learning_rate(lr))``
   equals ``hybrid_adamw(lr, ...)``. Arguments are those of
   :func:`hybrid_adamw` (master weights need the learning rate inside the
-  step, so ``master`` and ``master_dtype`` are only offered there).
+  step, so ``master`` is only offered there).
 
   Example:
     >>> import optax, optax_hybrid
@@ -297,5 +299,6 @@ def scale_by_hybrid_adam(
     ...     optax_hybrid.scale_by_hybrid_adam(b2=0.95),
     ...     optax.scale_by_learning_rate(3e-4))
   """
+  mask, nu_dtype = _older_spellings("scale_by_hybrid_adam", mask, options)
   rule = AdamW(b1, b2, eps, eps_root, weight_decay, nesterov, bias_correction, adamw_mode, mu_dtype, nu_dtype)
   return transform.building_block(rule, mask=mask, **options)

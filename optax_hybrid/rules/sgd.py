@@ -107,7 +107,7 @@ def hybrid_sgd(
 
   Example:
     >>> import jax.numpy as jnp, optax_hybrid
-    >>> tx = optax_hybrid.hybrid_sgd(0.1, momentum=0.9, tiers="host")
+    >>> tx = optax_hybrid.hybrid_sgd(0.1, momentum=0.9, state_memory_kind="host")
     >>> params = {"w": jnp.ones(2)}
     >>> state = tx.init(params)
     >>> for _ in range(2):
