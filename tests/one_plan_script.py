@@ -86,7 +86,7 @@ def mesh(axis_type):
 
 
 OPTIONS = {
-    "tier": [dict(tiers="device"), dict(tiers="host_state"), dict(tiers="host"),
+    "tier": [dict(state_memory_kind="device"), dict(state_memory_kind="host_state"), dict(state_memory_kind="host"),
              dict(state_memory_kind="pinned_host")],
     "moments": [dict(), dict(moment_format="8bit")],
     "master": [dict(), dict(master="float32"), dict(master="kahan"), dict(master="stochastic")],
@@ -205,7 +205,7 @@ def fsdp_run(devices=None):
                                      split(P(None, "d", None), "pinned_host")),
             "head": jax.device_put(rng.normal(size=(32, 64)).astype(np.float32) * 0.1, split(P(None, "d")))}
   tx = optax_hybrid.hybrid_adamw(optax_hybrid.warmup_cosine_schedule(1e-2, total_steps=STEPS, warmup_steps=1),
-                                 weight_decay=0.1, tiers={"embed": "device", "layers": "host_state",
+                                 weight_decay=0.1, state_memory_kind={"embed": "device", "layers": "host_state",
                                                           "head": "host"})
 
   whole = lambda w: jax.sharding.reshard(w, NamedSharding(m, P()))  # FSDP, Explicit axes: gathered where used

@@ -80,7 +80,7 @@ def test_scan_layers_runs_a_split_stack_as_the_whole_stack(resident):
 def run_optimizer(layers, dtype, options, path, steps=3):
   split = isinstance(layers, SplitStack)
   params = {"layers": jax.tree.map(lambda a: a.astype(dtype) if split else a, layers), "e": jnp.ones(8, dtype)}
-  tx = optax_hybrid.hybrid_adamw(1e-2, weight_decay=0.1, tiers="host_state", **options)
+  tx = optax_hybrid.hybrid_adamw(1e-2, weight_decay=0.1, state_memory_kind="host_state", **options)
   params, state = optax_hybrid.commit((params, tx.init(params)))
 
   def run(p, s, g):
@@ -135,7 +135,7 @@ def backward_run(layers, dtype, options):
   rng = np.random.default_rng(4)
   params = {"embed": jnp.asarray(rng.normal(size=(16, D)) * 0.3, dtype), "gain": jnp.ones(D, dtype),
             "head": jnp.asarray(rng.normal(size=(D, 4)), dtype), "layers": layers}
-  tx = optax_hybrid.hybrid_adamw(1e-2, weight_decay=0.1, tiers="host_state", **options)
+  tx = optax_hybrid.hybrid_adamw(1e-2, weight_decay=0.1, state_memory_kind="host_state", **options)
   params, state = optax_hybrid.commit((params, tx.init(params)))
   step = jax.jit(optax_hybrid.step_in_backward(tx, embed, layer, head), donate_argnums=(0, 1))
   losses = []
@@ -168,7 +168,7 @@ def test_a_split_stack_whose_parts_differ_is_refused():
 def test_a_checkpoint_restores_across_stack_placements_and_continues_bit_for_bit(saved_resident, tmp_path):
   """Saved whole or split at row 2, restored whole or split at 0, 2, 3 or 5 rows: the next step's bits are equal."""
   values = jax.tree.map(lambda v: jnp.asarray(v, jnp.bfloat16), VALUES)
-  tx = optax_hybrid.hybrid_adamw(1e-2, tiers="host_state", master="kahan", moment_format="8bit")
+  tx = optax_hybrid.hybrid_adamw(1e-2, state_memory_kind="host_state", master="kahan", moment_format="8bit")
 
   def params_at(resident):
     return {"layers": jax.device_put(values, HOST) if resident is None else split_stack(values, resident),
