@@ -95,9 +95,15 @@ def watch(params: Any, plan: Any, owner: str, words: str) -> None:
 
 def forget(tree: Any) -> None:
   """Called by :func:`optax_hybrid.commit`: the states in ``tree`` were committed, their first step compiles once."""
-  from optax_hybrid.plan import Plan  # plan imports placement, which calls this: imported when called
-  for x in jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, Plan)):
-    if isinstance(x, Plan):
+  watched = list(_PENDING.keys())
+  if not watched:
+    return
+
+  def is_watched(x: Any) -> bool:  # by identity: this module sits below plan and does not import it
+    return any(x is p for p in watched)
+
+  for x in jax.tree.leaves(tree, is_leaf=is_watched):
+    if is_watched(x):
       _PENDING.pop(x, None)
 
 

@@ -23,7 +23,7 @@ TIERS = ["device", "host_state", "host", "disk"]
 needs_host = pytest.mark.skipif("pinned_host" not in optax_hybrid.available_memory_kinds(),
                                 reason="no pinned_host memory on this backend")
 
-# "w" and "s" are bf16 (a master with master_dtype), "b" is float32 (none).
+# "w" and "s" are bf16 (a master with master=jnp.float32), "b" is float32 (none).
 SHAPES = {"w": (8, 4), "b": (4,), "s": ()}
 # Stand-ins for partition specs: any leaf that is not a pytree node.
 SPECS = {"w": "spec-w", "b": "spec-b", "s": "spec-s"}
@@ -45,8 +45,8 @@ def specs_of(tx, state, **kw):
 @pytest.mark.parametrize("tier", TIERS)
 def test_specs_map_onto_every_params_shaped_field(tier, master, tmp_path):
   params = make_params()
-  tx = optax_hybrid.hybrid_adamw(1e-3, weight_decay=0.0, tiers=tier, nvme_offload_dir=tmp_path,
-                                 master_dtype=jnp.float32 if master else None)
+  tx = optax_hybrid.hybrid_adamw(1e-3, weight_decay=0.0, state_memory_kind=tier, nvme_offload_dir=tmp_path,
+                                 master=jnp.float32 if master else None)
   state = tx.init(params)
   expected = HybridAdamState(count=OTHER, mu=SPECS, nu=SPECS, skipped=OTHER, master=SPECS if master else None,
                              plan=OTHER)
@@ -77,7 +77,7 @@ def test_specs_map_onto_the_scales_of_8bit_moments(tier, tmp_path):
   # "w" (64 x 512 = 32768 values) keeps 8-bit moments, "b" float32 ones (an empty scales entry).
   params = jax.device_put({"w": jnp.ones((64, 512)), "b": jnp.zeros(4)}, jax.devices()[0])
   specs = {"w": "spec-w", "b": "spec-b"}
-  tx = optax_hybrid.hybrid_adamw(1e-3, weight_decay=0.0, tiers=tier, nvme_offload_dir=tmp_path, moment_format="8bit")
+  tx = optax_hybrid.hybrid_adamw(1e-3, weight_decay=0.0, state_memory_kind=tier, nvme_offload_dir=tmp_path, moment_format="8bit")
   state = tx.init(params)
   got = optax.tree_utils.tree_map_params(tx, lambda _, spec: spec, state, specs, transform_non_params=lambda _: OTHER)
   assert got == HybridAdamState(count=OTHER, mu=specs, nu=specs, skipped=OTHER, master=None, mu_scales=specs,
@@ -93,7 +93,7 @@ def test_specs_map_onto_the_scales_of_8bit_moments(tier, tmp_path):
 
 def test_init_on_the_params_placeholder_marks_the_params_shaped_fields_and_cannot_step():
   placeholder = optax.tree_utils._state_utils._ParamsPlaceholder()
-  tx = optax_hybrid.hybrid_adamw(1e-3, weight_decay=0.0, master_dtype=jnp.float32)
+  tx = optax_hybrid.hybrid_adamw(1e-3, weight_decay=0.0, master=jnp.float32)
   state = tx.init(placeholder)
   assert state.mu is placeholder and state.nu is placeholder and state.master is placeholder
   assert "no plan" in repr(state.plan) and jax.tree.leaves(state.plan) == [state.plan]  # a leaf, not a Plan
@@ -104,7 +104,7 @@ def test_init_on_the_params_placeholder_marks_the_params_shaped_fields_and_canno
 
 def test_abstract_state_from_eval_shape():
   params = make_params()
-  tx = optax_hybrid.hybrid_adamw(1e-3, weight_decay=0.0, master_dtype=jnp.float32, offload_fraction=0.5)
+  tx = optax_hybrid.hybrid_adamw(1e-3, weight_decay=0.0, master=jnp.float32, state_memory_kind=optax_hybrid.by_fraction(host=0.5))
   abstract = jax.eval_shape(tx.init, params)
   assert specs_of(tx, abstract) == HybridAdamState(OTHER, SPECS, SPECS, OTHER, SPECS, plan=OTHER)
   # The abstract state describes the real one exactly (empty entries included).
@@ -117,24 +117,24 @@ def _masked_specs(keep):
 
 
 def _wrappers():
-  hybrid = lambda **kw: optax_hybrid.hybrid_adamw(1e-3, master_dtype=jnp.float32, **kw)
+  hybrid = lambda **kw: optax_hybrid.hybrid_adamw(1e-3, master=jnp.float32, **kw)
   mask = {"w": True, "b": False, "s": True}
   label = lambda tree: {"w": "a", "b": "b", "s": "b"}
   every = {k: True for k in SPECS}
   return {
       # name: (transform, {path of each HybridAdamState in the state: which params it holds})
-      "chain": (optax.chain(optax.clip_by_global_norm(1.0), hybrid(offload_fraction=0.5)), [every]),
-      "masked": (optax.masked(hybrid(tiers="host_state"), mask), [mask]),
-      "MultiSteps": (optax.MultiSteps(hybrid(tiers="host"), 2), [every]),
-      "multi_transform": (optax.multi_transform({"a": hybrid(tiers="host"), "b": hybrid(tiers="disk")}, label),
+      "chain": (optax.chain(optax.clip_by_global_norm(1.0), hybrid(state_memory_kind=optax_hybrid.by_fraction(host=0.5))), [every]),
+      "masked": (optax.masked(hybrid(state_memory_kind="host_state"), mask), [mask]),
+      "MultiSteps": (optax.MultiSteps(hybrid(state_memory_kind="host"), 2), [every]),
+      "multi_transform": (optax.multi_transform({"a": hybrid(state_memory_kind="host"), "b": hybrid(state_memory_kind="disk")}, label),
                           [{"w": True, "b": False, "s": False}, {"w": False, "b": True, "s": True}]),
-      # master_dtype is static: inject_hyperparams would call jnp.float32 as a schedule.
+      # master is static: inject_hyperparams would call jnp.float32 as a schedule.
       "inject_hyperparams": (optax.inject_hyperparams(optax_hybrid.hybrid_adamw, hyperparam_dtype=jnp.float32,
-                                                      static_args=("master_dtype", "tiers"))(
-          learning_rate=1e-3, master_dtype=jnp.float32, tiers="disk"), [every]),
+                                                      static_args=("master", "state_memory_kind"))(
+          learning_rate=1e-3, master=jnp.float32, state_memory_kind="disk"), [every]),
       "standard_optimizer": (optax_hybrid.standard_optimizer(
           1e-3, total_steps=100, accumulation_steps=2, param_groups={"s": {"lr_multiplier": 2.0}, "b": {"frozen": True}},
-          state_memory_kind="pinned_host", master_dtype=jnp.float32),
+          state_memory_kind="pinned_host", master=jnp.float32),
           [{"w": True, "b": False, "s": False}, {"w": False, "b": False, "s": True}]),
   }
 
@@ -169,8 +169,8 @@ def test_shardings_from_tree_map_params_place_and_step_the_state(tmp_path):
   # Every tier in one state, a master for the bf16 leaves; shardings made from
   # each entry's memory kind and a "spec" (here: the one device).
   params = make_params()
-  tx = optax_hybrid.hybrid_adamw(1e-2, weight_decay=0.1, master_dtype=jnp.float32, nvme_offload_dir=tmp_path,
-                                 tiers={"w": "host", "b": "disk", "s": "host_state"})
+  tx = optax_hybrid.hybrid_adamw(1e-2, weight_decay=0.1, master=jnp.float32, nvme_offload_dir=tmp_path,
+                                 state_memory_kind={"w": "host", "b": "disk", "s": "host_state"})
   state = tx.init(params)
   device = jax.devices()[0]
   sharding = lambda kind="device": jax.sharding.SingleDeviceSharding(device, memory_kind=kind)
@@ -188,7 +188,7 @@ def test_shardings_from_tree_map_params_place_and_step_the_state(tmp_path):
                  out_shardings=(param_shardings, shardings))
   grads = grads_like(params, 1)[0]
   got_params, got_state = step(params, placed, grads)
-  reference = optax_hybrid.hybrid_adamw(1e-2, weight_decay=0.1, master_dtype=jnp.float32)
+  reference = optax_hybrid.hybrid_adamw(1e-2, weight_decay=0.1, master=jnp.float32)
   want_params, want_state = jax.jit(reference.step)(params, reference.init(params), grads)
   for k in params:
     np.testing.assert_array_equal(np.asarray(got_params[k], np.float32), np.asarray(want_params[k], np.float32))
