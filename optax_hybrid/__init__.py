@@ -24,7 +24,10 @@ Public API (``__all__``: what a training script calls):
 * :func:`scan_layers` and :func:`step_in_backward`: layers streamed from host
   memory, the optimizer inside the backward pass; :func:`split_stack` /
   :class:`SplitStack` / :func:`join_stack`: a stack of layers split between
-  device and host memory; :func:`flatten_params` /
+  device and host memory; :func:`choose_placement` /
+  :class:`StackPlacement`: the split that fits a model's two memories and
+  moves the fewest bytes over the bus, chosen from XLA's compiled memory
+  plan; :func:`flatten_params` /
   :class:`FlatParams`: a many-leaf model's params in a few flat buffers.
 * :mod:`optax_hybrid.checkpoint`: Orbax save/restore that keeps memory kinds;
   :func:`memory_report` / :class:`MemoryReport`: where training memory went;
@@ -43,7 +46,8 @@ H100/H200 without a GPU and estimates its step time.
 
 import warnings as _warnings
 
-from optax_hybrid import base, checkpoint, disk, flat_params, masters, options, plan, recipe, report, rules, stacks, tiers
+from optax_hybrid import (base, checkpoint, disk, flat_params, masters, options, plan, planner, recipe, report, rules,
+                          stacks, tiers)
 from optax_hybrid.flat_params import FlatParams, flatten_params
 from optax_hybrid.placement import (
     STATE_MEMORY_KINDS,
@@ -55,6 +59,7 @@ from optax_hybrid.placed import clip_by_global_norm, global_norm
 from optax_hybrid.recipe import last_learning_rate, standard_optimizer
 from optax_hybrid.report import MemoryReport, memory_report
 from optax_hybrid.schedules import warmup_cosine_schedule
+from optax_hybrid.planner import StackPlacement, choose_placement
 from optax_hybrid.stacks import SplitStack, join_stack, split_stack
 from optax_hybrid.tiers import by_fraction
 from optax_hybrid.streaming import scan_layers, step_in_backward
@@ -83,6 +88,7 @@ __all__ = [
     "available_memory_kinds",
     "by_fraction",
     "checkpoint",
+    "choose_placement",
     "clip_by_global_norm",
     "commit",
     "flatten_params",

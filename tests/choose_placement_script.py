@@ -1,0 +1,146 @@
+"""optax_hybrid.choose_placement on a small decoder-like stack, checked by compiling every placement (tests/test_choose_placement.py).
+
+    JAX_PLATFORMS=cpu python tests/choose_placement_script.py
+
+Prints JSON lines: ``{"case": "choice", ...}`` (the budgets, the choice, and
+every placement of the stack compiled here, independently of the planner,
+with its figures) and ``{"case": "numbers", ...}`` (the chosen placement and
+its device-state variant run for real on the CPU against the stack held
+whole in host memory: bit for bit).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import optax_hybrid
+from optax_hybrid import gpu_compile
+
+L, D, V, B = 4, 128, 256, 32
+S = jax.ShapeDtypeStruct
+
+
+def embed(rest, b):
+  return rest["embed"][b]
+
+
+def layer(x, p, rest, b):
+  return x + jnp.tanh(x @ p["w"] + p["b"]) * rest["gain"]
+
+
+def head(rest, x, b):
+  return jnp.mean((x @ rest["head"]).astype(jnp.float32) ** 2)
+
+
+def tx_for(kinds):
+  return optax_hybrid.hybrid_adamw(1e-2, weight_decay=0.1, state_memory_kind=kinds, master="stochastic",
+                                   moment_format="8bit")
+
+
+def step_for(tx):
+  return optax_hybrid.step_in_backward(tx, embed, layer, head)
+
+
+PARAMS = {"embed": S((V, D), jnp.bfloat16), "gain": S((D,), jnp.bfloat16), "head": S((D, V), jnp.bfloat16),
+          "layers": {"w": S((L, D, D), jnp.bfloat16), "b": S((L, D), jnp.bfloat16)}}
+BATCH = S((B,), jnp.int32)
+ONE = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+MESH = jax.make_mesh((1,), ("one",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:1])
+
+
+def placed_by_hand(resident: int, resident_state: str):
+  """The params and state_memory_kind of ``resident`` layers on the device (their state in ``resident_state``), the
+  rest in pinned_host: written here from split_stack, not from the planner."""
+  on = lambda kind: jax.sharding.NamedSharding(MESH, jax.sharding.PartitionSpec(), memory_kind=kind)
+  rest = {k: S(v.shape, v.dtype, sharding=ONE) for k, v in PARAMS.items() if k != "layers"}
+  stack = {k: S(v.shape, v.dtype, sharding=on("device")) for k, v in PARAMS["layers"].items()}
+  split = optax_hybrid.split_stack(stack, resident)
+  layers = split.resident if resident == L else split.streamed if resident == 0 else split
+  state = resident_state if resident else "host_state"
+  kinds = {**{k: state for k in rest}, "layers": (
+      state if resident in (0, L) else optax_hybrid.SplitStack(resident=resident_state, streamed="host_state"))}
+  return {**rest, "layers": layers}, kinds
+
+
+def compile_by_hand(resident: int, resident_state: str) -> dict:
+  params, kinds = placed_by_hand(resident, resident_state)
+  tx = tx_for(kinds)
+  report = gpu_compile.compile_for_gpu(step_for(tx), params, tx.init(params), S(BATCH.shape, BATCH.dtype,
+                                                                                 sharding=ONE),
+                                       target="h200", donate_argnums=(0, 1))
+  return dict(resident=resident, state=resident_state, device=report.device_peak_bytes, host=report.host_peak_bytes,
+              bus=report.to_device_bytes + report.to_host_bytes)
+
+
+def choice() -> dict:
+  every = [compile_by_hand(k, r) for r in ("device", "host_state") for k in range(L + 1) if (k, r) != (0, "device")]
+  # A device memory between every layer streamed and every layer resident with its state in host memory, so that
+  # the best placement is a split; the host memory holds anything.
+  streamed = next(p for p in every if p["resident"] == 0)
+  resident = next(p for p in every if p["resident"] == L and p["state"] == "host_state")
+  device_budget = (streamed["device"] + resident["device"]) / 2
+  chosen = optax_hybrid.choose_placement(tx_for, step_for, PARAMS, BATCH, target="h200",
+                                         device_bytes=device_budget / 0.9, host_bytes=1e9)
+  return chosen, dict(case="choice", device_budget=device_budget, every=every, resident=chosen.resident_layers,
+              state=chosen.resident_state, rest_state=chosen.rest_state, device=chosen.compiled.device,
+              host=chosen.compiled.host, bus=chosen.compiled.bus_in + chosen.compiled.bus_out,
+              step_seconds=chosen.step_seconds, step_lower_bound=chosen.step_lower_bound, table=chosen.table(),
+              kinds={jax.tree_util.keystr(p): chosen.state_memory_kind(p, x)
+                     for p, x in jax.tree_util.tree_leaves_with_path(chosen.place(PARAMS))},
+              placed={jax.tree_util.keystr(p): x.sharding.memory_kind
+                      for p, x in jax.tree_util.tree_leaves_with_path(chosen.place(PARAMS))
+                      if getattr(x, "sharding", None) is not None})
+
+
+def run(params, tx, steps: int = 3):
+  """``steps`` steps of the chosen step on the CPU for real: the losses and the params, the stack joined."""
+  params, state = optax_hybrid.commit((params, tx.init(params)))
+  step = jax.jit(step_for(tx), donate_argnums=(0, 1))
+  rng, losses = np.random.default_rng(1), []
+  for _ in range(steps):
+    params, state, loss = step(params, state, jnp.asarray(rng.integers(0, V, size=(B,)), jnp.int32))
+    losses.append(float(loss))
+  if isinstance(params["layers"], optax_hybrid.SplitStack):
+    params = {**params, "layers": optax_hybrid.join_stack(params["layers"])}
+  return losses, {k: np.asarray(v, np.float32) for k, v in jax.tree_util.tree_leaves_with_path(params)}
+
+
+def numbers(chosen) -> dict:
+  """The chosen placement (and the same split with its resident layers' state on the device) against the stack
+  held whole in host memory with its state there: the same losses and params, bit for bit."""
+  start = jax.tree.map(lambda x: np.random.default_rng(0).normal(size=x.shape) * 0.2, PARAMS)
+  values = lambda: jax.tree.map(lambda v, x: jnp.asarray(v, x.dtype), start, PARAMS)  # fresh: steps donate them
+  host = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="pinned_host")
+  want = run({**values(), "layers": jax.device_put(values()["layers"], host)}, tx_for("host_state"))
+  out = {}
+  for name, placement in (("chosen", chosen), ("device_state", dataclasses.replace(
+      chosen, resident_state="device", rest_state="device"))):
+    got = run(placement.place(values()), tx_for(placement.state_memory_kind))
+    out[name] = dict(losses_equal=got[0] == want[0], params_equal=all(
+        np.array_equal(got[1][k], want[1][k]) for k in want[1]), split=placement.resident_layers)
+  return dict(case="numbers", **out)
+
+
+def errors() -> dict:
+  out = {}
+  for name, kwargs in (("device", dict(device_bytes=1e5, host_bytes=1e9)),
+                       ("stack", dict(stack="blocks", device_bytes=1e9, host_bytes=1e9)),
+                       ("host_bytes", dict(device_bytes=1e9, host_bytes=-1))):
+    try:
+      optax_hybrid.choose_placement(tx_for, step_for, PARAMS, BATCH, target="h200", **kwargs)
+      out[name] = None
+    except ValueError as e:
+      out[name] = str(e)
+  return dict(case="errors", **out)
+
+
+if __name__ == "__main__":
+  chosen, record = choice()
+  print(json.dumps(record), flush=True)
+  print(json.dumps(numbers(chosen)), flush=True)
+  print(json.dumps(errors()), flush=True)
