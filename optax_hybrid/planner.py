@@ -11,10 +11,12 @@ memory, host memory and bus bytes per step:
 
 :func:`choose_placement` compiles the user's own train step at two depths for
 each way (XLA's memory plan and the bytes its copies move, read from the
-compiled program), predicts every split of the stack ``k`` resident layers +
-``L - k`` streamed (an :class:`optax_hybrid.SplitStack`) from those lines,
-takes the one that fits both budgets and moves the fewest bytes over the bus
-(then: the most layers resident), and compiles it at full depth to confirm it.
+compiled program) and, unless the whole stack fits on the device with its
+state, at three splits ``k`` resident layers + ``L - k`` streamed (an
+:class:`optax_hybrid.SplitStack`) per resident way; predicts every placement
+from those lines, takes the one that fits both budgets and moves the fewest
+bytes over the bus (then: the most layers resident), and compiles it at full
+depth to confirm it.
 The result, a :class:`StackPlacement`, places the params and names each
 leaf's ``state_memory_kind``.
 """
@@ -74,7 +76,7 @@ class StackPlacement:
     device_budget, host_budget: the bytes each memory may hold (the budget
       fraction of each memory).
     compiled: the chosen placement's whole step as compiled at full depth.
-    predicted: what the two depths per way predicted for it.
+    predicted: what the compiled depths and splits predicted for it.
     step_seconds, step_lower_bound: the step-time estimate of the compiled
       step (:mod:`optax_hybrid.gpu_compile.step_time`) and its lower bound.
     probes: ``{(way, depth): Cost}``, the compiles the choice read.
@@ -150,13 +152,17 @@ def choose_placement(optimizer: Callable[..., Any], step: Callable[[Any], Callab
   compiled (for ``target``, without a GPU: :mod:`optax_hybrid.gpu_compile`)
   at two depths :math:`d_1 < d_2`; each figure :math:`f` (device and host
   peak, bus bytes in and out per step) is a line in depth,
-  :math:`f(d) = b + d\,g`. A split of :math:`k` resident layers (way
-  :math:`r`) and :math:`L - k` streamed (way :math:`s`) is predicted as
-  :math:`\max(b_r, b_s) + k g_r + (L - k) g_s`. Of the splits predicted to
-  fit :math:`\text{fraction} \times` each memory, the one with the fewest
-  bus bytes (then the most resident layers, then state on the device) is
-  compiled at full depth; if it does not fit, the next one is, up to
-  ``max_confirms`` compiles.
+  :math:`f(d) = b + d\,g`, which predicts the stack held whole one way.
+  Unless the whole stack fits on the device with its state (no bus: nothing
+  does better), a split of :math:`k` resident layers and :math:`L - k`
+  streamed, which runs a loop per part, is compiled at three splits per
+  resident way (:data:`SPLIT_PROBES`) and predicted by the plane through
+  them, :math:`f(k, L - k) = b + k\,g_r + (L - k)\,g_s`. Of the placements
+  predicted to fit ``budget_fraction`` of each memory, the one with the
+  fewest bus bytes (then the most resident layers, then state on the device)
+  is compiled at full depth; if it does not fit, what the prediction missed
+  is spread over that way's resident layers and the next best is compiled,
+  up to ``max_confirms`` compiles.
 
   Nothing of ``params`` is read but shapes, dtypes and shardings; nothing
   is moved. Place the params with :meth:`StackPlacement.place` and build
@@ -243,9 +249,12 @@ def choose_placement(optimizer: Callable[..., Any], step: Callable[[Any], Callab
       resident, state = (0, "host_state") if way == "streamed" else (depth, way)
       probes[way, depth] = compile_at(depth, resident, state)[0]
   lines = {way: _line(probes, way, depths) for way in LAYER_WAYS}
-  # A split runs two loops, one per part, and its figures are lines of their own: measured at three splits per way.
+  # A split runs a loop per part, and its figures are a plane of their own: measured at three splits per way.
+  # Compiled only when needed: a model whose every layer fits on the device with its state moves nothing over the
+  # bus, which no split betters.
   splits = {}
-  if length >= 2:
+
+  def measure_splits() -> None:
     for way in ("device", "host_state"):
       for resident, streamed in SPLIT_PROBES:
         probes[f"split {way}", resident, streamed] = compile_at(resident + streamed, resident, way)[0]
@@ -260,6 +269,8 @@ def choose_placement(optimizer: Callable[..., Any], step: Callable[[Any], Callab
       return _at(lines["streamed"], length)
     if k == length:
       cost = _at(lines[resident_state], k)
+    elif not splits:
+      return None  # not measured yet
     else:
       base, per_resident, per_streamed = splits[resident_state]
       cost = base.plus(per_resident, k).plus(per_streamed, length - k)
@@ -268,7 +279,10 @@ def choose_placement(optimizer: Callable[..., Any], step: Callable[[Any], Callab
   ways = [(k, r) for r in ("device", "host_state") for k in range(length + 1) if not (k == 0 and r == "device")]
   tried, rejected = set(), []
   while len(tried) < max_confirms:
-    candidates = [(k, r, predict(k, r)) for k, r in ways]
+    whole_on_device = (length, "device") not in tried and predict(length, "device").fits(device_budget, host_budget)
+    if not splits and length >= 2 and not whole_on_device:
+      measure_splits()
+    candidates = [(k, r, cost) for k, r in ways if (cost := predict(k, r)) is not None]
     fitting = sorted((c for c in candidates if c[2].fits(device_budget, host_budget) and c[:2] not in tried),
                      key=lambda c: (c[2].bus_in + c[2].bus_out, -c[0], c[1] != "device"))
     if not fitting:
