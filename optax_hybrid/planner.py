@@ -145,7 +145,7 @@ class StackPlacement:
 def choose_placement(optimizer: Callable[..., Any], step: Callable[[Any], Callable], params: Any, batch: Any, *,
                      stack: str = "layers", target: str | None = None, device_bytes: float | None = None,
                      host_bytes: float | None = None, budget_fraction: float = BUDGET_FRACTION,
-                     max_confirms: int = 4) -> StackPlacement:
+                     max_confirms: int = 4, probes: dict | None = None) -> StackPlacement:
   r"""The placement of a stack of layers that fits both memories and moves the fewest bytes over the bus.
 
   For each way a layer can be held (:data:`LAYER_WAYS`) the train step is
@@ -188,6 +188,10 @@ def choose_placement(optimizer: Callable[..., Any], step: Callable[[Any], Callab
       ``target`` when planning for another machine is meant: pass it).
     budget_fraction: the share of each memory a placement may use.
     max_confirms: full-depth compiles tried before giving up.
+    probes: the :attr:`StackPlacement.probes` of an earlier choice for the
+      same model, batch, optimizer and target at any depth (the lines do
+      not depend on it): its compiles are not repeated (planning for
+      several depths).
 
   Returns:
     A :class:`StackPlacement`.
@@ -243,11 +247,12 @@ def choose_placement(optimizer: Callable[..., Any], step: Callable[[Any], Callab
 
   layers_abstract = _abstract_stack(_stack_of(abstract, stack, owner))
   depths = sorted({min(2, length), min(4, length)})
-  probes = {}
+  probes = dict(probes or {})
   for way in LAYER_WAYS:
     for depth in depths:
       resident, state = (0, "host_state") if way == "streamed" else (depth, way)
-      probes[way, depth] = compile_at(depth, resident, state)[0]
+      if (way, depth) not in probes:
+        probes[way, depth] = compile_at(depth, resident, state)[0]
   lines = {way: _line(probes, way, depths) for way in LAYER_WAYS}
   # A split runs a loop per part, and its figures are a plane of their own: measured at three splits per way.
   # Compiled only when needed: a model whose every layer fits on the device with its state moves nothing over the
@@ -257,7 +262,8 @@ def choose_placement(optimizer: Callable[..., Any], step: Callable[[Any], Callab
   def measure_splits() -> None:
     for way in ("device", "host_state"):
       for resident, streamed in SPLIT_PROBES:
-        probes[f"split {way}", resident, streamed] = compile_at(resident + streamed, resident, way)[0]
+        if (f"split {way}", resident, streamed) not in probes:
+          probes[f"split {way}", resident, streamed] = compile_at(resident + streamed, resident, way)[0]
       splits[way] = _plane(probes, f"split {way}")
 
   # What each full-depth compile taught: per way, a correction per resident layer (XLA's plan at full depth is

@@ -1,0 +1,151 @@
+"""The largest Llama-style decoder whose placement `optax_hybrid.choose_placement` finds, per host memory.
+
+    JAX_PLATFORMS=cpu PYTHONPATH=. python benchmarks/placement_capacity.py [--host-memories "256 GB,device alone"]
+    JAX_PLATFORMS=cpu PYTHONPATH=. python benchmarks/placement_capacity.py --quick      # small widths (a test)
+
+Compile-time figures (XLA:GPU's plan for an H200, compiled on a CPU machine, as
+``benchmarks/gpu_memory.py --capacity-table``): the decoder of that table
+(width 4096, 32 heads, SwiGLU 11008, vocab 32000, batch 1 x 2048, RoPE, an
+untied ``(D, V)`` head), stepped inside the backward pass
+(``step_in_backward``, 8-bit moments, ``master="stochastic"``), with the
+stack's placement left to ``choose_placement`` (budgets: 0.9 of the H200's
+150.8 GB and of the host memory). For each host memory, the depth is searched
+for the largest model the planner places: the planner's compiles at small
+depths are made once and reused at every depth (``probes=``), a depth it
+predicts cannot fit costs no compile, one it predicts can fit is confirmed by
+compiling it whole. Beside it, the baseline a user would pick, ``optax.adamw``
+with bf16 params and an fp32 ``mu`` on the device alone, found by
+``benchmarks/gpu_memory.py``'s own search in the same run.
+
+Prints a markdown table: per host memory, layers, params, the ratio to the
+baseline, the placement (resident layers and their state, streamed layers),
+device and host GB as compiled, bus bytes per weight each way per step, and the
+step-time estimate with its lower bound.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import models  # noqa: E402
+
+import optax_hybrid  # noqa: E402
+
+GB = 1e9
+HOST_MEMORIES = {"128 GiB": 128 * 2**30, "256 GB": 256e9, "1 TB": 1e12, "device alone": 1.0}
+LLAMA = dict(width=4096, heads=32, ffn=11008, vocab=32000, seq=2048, batch=1)
+QUICK = dict(width=256, heads=4, ffn=688, vocab=1000, seq=64, batch=1)
+
+
+def optimizer(kinds):
+  return optax_hybrid.hybrid_adamw(1e-4, weight_decay=0.1, state_memory_kind=kinds, master="stochastic",
+                                   moment_format="8bit")
+
+
+def model_at(layers: int, sizes: dict):
+  cfg = models.LlamaConfig(layers=layers, **sizes)
+  params = models.llama_params(cfg, jnp.bfloat16, "device")
+  batch = models._tokens(cfg.batch, cfg.seq)
+  step = lambda tx: optax_hybrid.step_in_backward(tx, *models.llama_parts(cfg))
+  return params, batch, step
+
+
+def num_params(tree) -> int:
+  return sum(math.prod(x.shape) for x in jax.tree.leaves(tree))
+
+
+def choose(layers: int, sizes: dict, host_bytes: float, target: str, probes: dict, device_bytes=None):
+  params, batch, step = model_at(layers, sizes)
+  try:
+    chosen = optax_hybrid.choose_placement(optimizer, step, params, batch, target=target, host_bytes=host_bytes,
+                                           device_bytes=device_bytes, probes=probes)
+  except ValueError as e:
+    print(f"    {layers} layers: no placement ({str(e)[:160]}...)", file=sys.stderr, flush=True)
+    return None
+  probes.update(chosen.probes)
+  print(f"    {layers} layers: {chosen.resident_layers} resident ({chosen.resident_state}), "
+        f"{chosen.streamed_layers} streamed", file=sys.stderr, flush=True)
+  return dict(layers=layers, params=num_params(params), chosen=chosen)
+
+
+def largest(sizes: dict, host_bytes: float, target: str, probes: dict, first: int, device_bytes=None) -> dict:
+  """The deepest model the planner places: doubling from ``first``, then bisecting."""
+  best = choose(first, sizes, host_bytes, target, probes, device_bytes)
+  if best is None:
+    raise SystemExit(f"{first} layers do not fit: start lower (--first)")
+  lo, hi = first, None
+  while hi is None:
+    r = choose(lo * 2, sizes, host_bytes, target, probes, device_bytes)
+    if r is None:
+      hi = lo * 2
+    else:
+      lo, best = lo * 2, r
+  while hi - lo > 1:
+    mid = (lo + hi) // 2
+    r = choose(mid, sizes, host_bytes, target, probes, device_bytes)
+    if r is None:
+      hi = mid
+    else:
+      lo, best = mid, r
+  return best
+
+
+def baseline(target: str, quick: bool) -> int | None:
+  """``optax.adamw`` (bf16 params, fp32 mu), device alone: benchmarks/gpu_memory.py's capacity search."""
+  if quick:
+    return None
+  import gpu_memory
+  row = gpu_memory.largest_within("optax.adamw bf16 + fp32 mu", target, gpu_memory.LIMIT * 256e9, {}, 8, 16)
+  return row["params"]
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--target", default="h200")
+  parser.add_argument("--host-memories", default="256 GB,device alone",
+                      help="comma-separated subset of: " + ", ".join(HOST_MEMORIES))
+  parser.add_argument("--first", type=int, default=64, help="the first depth tried (then doubled, then bisected)")
+  parser.add_argument("--no-baseline", action="store_true", help="leave optax.adamw's search out")
+  parser.add_argument("--quick", action="store_true", help="small widths and a tiny device: a test of the script")
+  args = parser.parse_args(argv)
+  sizes = QUICK if args.quick else LLAMA
+  device_bytes = 64e6 if args.quick else None
+  started = time.time()
+  probes, rows = {}, []
+  for memory in args.host_memories.split(","):
+    host = 2e8 if args.quick and memory != "device alone" else HOST_MEMORIES[memory]
+    print(f"  {memory}:", file=sys.stderr, flush=True)
+    rows.append((memory, largest(sizes, host, args.target, probes, 4 if args.quick else args.first, device_bytes)))
+  base = None if args.no_baseline else baseline(args.target, args.quick)
+  print(f"\nThe largest Llama-style decoder ({', '.join(f'{k} {v}' for k, v in sizes.items())}) whose placement "
+        f"optax_hybrid.choose_placement finds for one {args.target.upper()} "
+        f"({'64 MB' if args.quick else 'its memory'}) and each host memory, both used up to 90%; "
+        f"step_in_backward, 8-bit moments, master='stochastic'; compile-time figures, jax {jax.__version__}, "
+        f"{time.time() - started:.0f} s:\n")
+  print("| host memory | layers | params | x optax.adamw bf16 + fp32 mu | resident (state) / streamed layers | "
+        "device GB | host GB | bus in / out B/weight | est. step s (bound) |")
+  print("|---|---:|---:|---:|---|---:|---:|---:|---:|")
+  for memory, r in rows:
+    c = r["chosen"]
+    ratio = f"{r['params'] / base:.2f}" if base else "-"
+    print(f"| {memory} | {r['layers']} | {r['params'] / 1e9:.2f} B | {ratio} | {c.resident_layers} "
+          f"({c.resident_state}) / {c.streamed_layers} | {c.compiled.device / GB:.1f} | {c.compiled.host / GB:.1f} | "
+          f"{c.compiled.bus_in / r['params']:.2f} / {c.compiled.bus_out / r['params']:.2f} | "
+          f"{c.step_seconds:.3f} ({c.step_lower_bound:.3f}) |")
+  if base:
+    print(f"\noptax.adamw bf16 + fp32 mu, device alone: {base / 1e9:.2f} B params "
+          f"(benchmarks/gpu_memory.py's search, this run).")
+  return rows
+
+
+if __name__ == "__main__":
+  main()
