@@ -89,6 +89,7 @@ def choice() -> dict:
   return chosen, dict(case="choice", device_budget=device_budget, every=every, resident=chosen.resident_layers,
               state=chosen.resident_state, rest_state=chosen.rest_state, device=chosen.compiled.device,
               host=chosen.compiled.host, bus=chosen.compiled.bus_in + chosen.compiled.bus_out,
+              probes=[[list(map(str, key)), dataclasses.asdict(cost)] for key, cost in chosen.probes.items()],
               step_seconds=chosen.step_seconds, step_lower_bound=chosen.step_lower_bound, table=chosen.table(),
               kinds={jax.tree_util.keystr(p): chosen.state_memory_kind(p, x)
                      for p, x in jax.tree_util.tree_leaves_with_path(chosen.place(PARAMS))},

@@ -83,3 +83,54 @@ def test_bad_input_is_refused_naming_the_argument(case, words):
   assert message is not None, f"{case}: accepted"
   for w in words:
     assert w in message, message
+
+
+# One layer of the script's stack (w (D, D) and b (D,), bf16) and the carry a layer saves for the backward pass.
+D, B = 128, 32
+LAYER_BYTES = (D * D + D) * 2
+CARRY_BYTES = B * D * 2
+
+
+def per_layer(r, key_a, key_b, layers):
+  probes = {tuple(k): v for k, v in r["probes"]}
+  return {f: (probes[key_b][f] - probes[key_a][f]) / layers for f in ("device", "host", "bus_in", "bus_out")}
+
+
+def test_a_resident_layer_costs_no_copy_and_a_streamed_one_its_params_and_state():
+  """Per layer, from the planner's compiles at two depths (issue 40, item 5): what each way costs each memory and
+  the bus, and the same inside a split, where each part's loop moves only its own part."""
+  r = records()["choice"]
+  device = per_layer(r, ("device", "2"), ("device", "4"), 2)
+  resident = per_layer(r, ("host_state", "2"), ("host_state", "4"), 2)
+  streamed = per_layer(r, ("streamed", "2"), ("streamed", "4"), 2)
+  state = resident["host"]  # a layer's 8-bit moments, in host memory
+  assert 0 < state < LAYER_BYTES * 1.2
+  # Resident, state on the device: nothing in host memory, nothing over the bus.
+  assert device["host"] == device["bus_in"] == device["bus_out"] == 0
+  assert device["device"] >= LAYER_BYTES + state
+  # Resident, state in host memory: only the state crosses, once each way; the layer stays put.
+  assert resident["bus_in"] == resident["bus_out"] == state
+  assert LAYER_BYTES <= resident["device"] <= LAYER_BYTES + CARRY_BYTES
+  # Streamed: the params in twice (forward, backward) and out once, the state in and out; on the device at most
+  # the saved carry.
+  assert streamed["host"] == LAYER_BYTES + state
+  assert streamed["bus_in"] == 2 * LAYER_BYTES + state and streamed["bus_out"] == LAYER_BYTES + state
+  assert streamed["device"] <= CARRY_BYTES
+  for way, whole in (("device", device), ("host_state", resident)):
+    more_resident = per_layer(r, (f"split {way}", "2", "2"), (f"split {way}", "4", "2"), 2)
+    more_streamed = per_layer(r, (f"split {way}", "2", "2"), (f"split {way}", "2", "4"), 2)
+    for f in ("host", "bus_in", "bus_out"):
+      assert more_resident[f] == whole[f], (way, f, more_resident, whole)
+      assert more_streamed[f] == streamed[f], (way, f, more_streamed, streamed)
+
+
+def test_each_layer_made_resident_saves_its_three_crossings():
+  """Whole-depth compiles made by hand: from every layer streamed to every layer resident (state in host memory),
+  each layer made resident saves its params' three crossings; each loop over streamed layers fetches one layer
+  ahead that it does not use (two loops: two layers), which goes when no layer is streamed."""
+  by_hand = {(p["resident"], p["state"]): p for p in records()["choice"]["every"]}
+  L = 4
+  for k in (0, 1):  # at least two streamed layers on both sides
+    assert by_hand[k, "host_state"]["bus"] - by_hand[k + 1, "host_state"]["bus"] == 3 * LAYER_BYTES
+  assert by_hand[0, "host_state"]["bus"] - by_hand[L, "host_state"]["bus"] == (3 * L + 2) * LAYER_BYTES
+  assert by_hand[L, "device"]["bus"] == 0 and by_hand[L, "device"]["host"] == 0
