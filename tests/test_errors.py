@@ -375,6 +375,35 @@ TRIGGERS.update({
         hybrid().begin_step(STACKED, hybrid().init(STACKED), {"embed": False, "layers": True})),
 })
 
+# Split stacks and the planner: the checks made before anything is compiled.
+ABSTRACT_MODEL = {"embed": jax.ShapeDtypeStruct((64, 8), jnp.float32),
+                  "layers": {"w": jax.ShapeDtypeStruct((3, 8, 8), jnp.float32)}}
+
+
+def choose(**kw):
+  kw = {"target": "h200", "device_bytes": 1e9, "host_bytes": 1e9, **kw}
+  return optax_hybrid.choose_placement(lambda kinds: hybrid(state_memory_kind=kinds), lambda tx: None,
+                                       ABSTRACT_MODEL, jax.ShapeDtypeStruct((4,), jnp.int32), **kw)
+
+
+def placement_for(layers):
+  cost = optax_hybrid.planner.Cost(0, 0, 0, 0)
+  return optax_hybrid.StackPlacement("layers", layers, 1, "host_state", "host_state", "h200", 1e9, 1e9, cost, cost,
+                                     0.0, 0.0)
+
+
+TRIGGERS.update({
+    "split-stack-rows": lambda: optax_hybrid.split_stack({"w": jnp.ones((3, 2))}, 4),
+    "split-stack-lengths": lambda: optax_hybrid.split_stack({"w": jnp.ones((3, 2)), "b": jnp.ones((4, 2))}, 1),
+    "choose-stack": lambda: choose(stack="blocks"),
+    "choose-budget": lambda: choose(host_bytes=0),
+    "choose-fraction": lambda: choose(budget_fraction=1.5),
+    "choose-device-short": lambda: choose(device_bytes=1000),
+    "choose-no-target": lambda: choose(target=None),
+    "choose-callables": lambda: optax_hybrid.choose_placement(hybrid(), None, ABSTRACT_MODEL, None, target="h200"),
+    "place-length": lambda: placement_for(5).place(ABSTRACT_MODEL),
+})
+
 ROWS = table_rows()
 
 
