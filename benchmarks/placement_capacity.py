@@ -1,6 +1,7 @@
 """The largest Llama-style decoder whose placement `optax_hybrid.choose_placement` finds, per host memory.
 
     JAX_PLATFORMS=cpu PYTHONPATH=. python benchmarks/placement_capacity.py [--host-memories "256 GB,device alone"]
+    JAX_PLATFORMS=cpu PYTHONPATH=. python benchmarks/placement_capacity.py --speed-table [--sizes 7,13,...]
     JAX_PLATFORMS=cpu PYTHONPATH=. python benchmarks/placement_capacity.py --quick      # small widths (a test)
 
 Compile-time figures (XLA:GPU's plan for an H200, compiled on a CPU machine, as
@@ -16,6 +17,14 @@ predicts cannot fit costs no compile, one it predicts can fit is confirmed by
 compiling it whole. Beside it, the baseline a user would pick, ``optax.adamw``
 with bf16 params and an fp32 ``mu`` on the device alone, found by
 ``benchmarks/gpu_memory.py``'s own search in the same run.
+
+``--speed-table``: for models of the given sizes (billions of params), at
+batches 1 and 4 x 2048, the placement the planner chooses with 256 GB of host
+memory and the step time estimated from its compiled program
+(``optax_hybrid.gpu_compile.step_time``, launches and loop trips included):
+resident share, device and host GB, bus bytes per weight each way, the
+estimate and its lower bound, tokens/s and MFU (6 N flops per token at 989
+TFLOP/s); ``optax.adamw`` (bf16 params, fp32 ``mu``) where it fits.
 
 Prints a markdown table: per host memory, layers, params, the ratio to the
 baseline, the placement (resident layers and their state, streamed layers),
@@ -108,6 +117,56 @@ def baseline(target: str, quick: bool) -> int | None:
   return row["params"]
 
 
+PEAK_FLOPS = 989e12  # H200 SXM, dense bf16
+
+
+def adamw_row(layers: int, sizes: dict, target: str) -> dict | None:
+  """``optax.adamw`` (bf16 params, fp32 mu) on the device alone at ``layers``: its compiled peak and step estimate."""
+  import optax
+  from optax_hybrid import gpu_compile
+  import gpu_memory
+  cfg = models.LlamaConfig(layers=layers, **sizes)
+  params = models.llama_params(cfg, jnp.bfloat16, "device")
+  tx = optax.adamw(1e-4, weight_decay=0.1, mu_dtype=jnp.float32)
+  step = gpu_memory.train_step_of(tx, lambda p, b: models.llama_loss(cfg, p, b))
+  report = gpu_compile.compile_for_gpu(step, params, gpu_memory.abstract_state(tx, params),
+                                       models._tokens(cfg.batch, cfg.seq), target=target, donate_argnums=(0, 1))
+  if report.device_peak_bytes > 0.9 * gpu_compile.target_device_memory_bytes(target):
+    return None
+  estimate = report.step_time()
+  return dict(device=report.device_peak_bytes, seconds=estimate.seconds, bound=estimate.lower_bound)
+
+
+def speed_table(args) -> None:
+  sizes_b = [float(x) for x in args.sizes.split(",")]
+  for batch in (1, 4):
+    sizes = dict(QUICK if args.quick else LLAMA, batch=batch)
+    one, two = (num_params(model_at(n, sizes)[0]) for n in (1, 2))
+    per_layer, rest = two - one, 2 * one - two
+    probes = {}
+    print(f"\nBatch {batch} x {sizes['seq']}, one {args.target.upper()} + 256 GB (0.9 of each), the placement "
+          f"choose_placement finds; step_in_backward, 8-bit moments, master='stochastic'; compile-time estimates, "
+          f"jax {jax.__version__}:\n")
+    print("| params | layers | resident (state) / streamed | device GB | host GB | bus in / out B/weight | "
+          "est. step s | bound s | step / bound | tokens/s | MFU (6N) | optax.adamw step s (tokens/s) |")
+    print("|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|")
+    for size in sizes_b:
+      layers = max(1, round((size * 1e9 - rest) / per_layer))
+      r = choose(layers, sizes, 2e8 if args.quick else 256e9, args.target, probes, 64e6 if args.quick else None)
+      if r is None:
+        print(f"| {size:g} B | {layers} | does not fit | | | | | | | | | |", flush=True)
+        continue
+      c, n = r["chosen"], r["params"]
+      tokens = batch * sizes["seq"]
+      base = None if args.quick else adamw_row(layers, sizes, args.target)
+      adamw = "does not fit" if base is None else f"{base['seconds']:.3f} ({tokens / base['seconds']:,.0f})"
+      print(f"| {n / 1e9:.2f} B | {layers} | {c.resident_layers} ({c.resident_state}) / {c.streamed_layers} | "
+            f"{c.compiled.device / GB:.1f} | {c.compiled.host / GB:.1f} | {c.compiled.bus_in / n:.2f} / "
+            f"{c.compiled.bus_out / n:.2f} | {c.step_seconds:.3f} | {c.step_lower_bound:.3f} | "
+            f"{c.step_seconds / c.step_lower_bound:.2f} | {tokens / c.step_seconds:,.0f} | "
+            f"{6 * n * tokens / c.step_seconds / PEAK_FLOPS:.1%} | {adamw} |", flush=True)
+
+
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--target", default="h200")
@@ -116,7 +175,11 @@ def main(argv=None):
   parser.add_argument("--first", type=int, default=64, help="the first depth tried (then doubled, then bisected)")
   parser.add_argument("--no-baseline", action="store_true", help="leave optax.adamw's search out")
   parser.add_argument("--quick", action="store_true", help="small widths and a tiny device: a test of the script")
+  parser.add_argument("--speed-table", action="store_true", help="step times of the chosen placement by model size")
+  parser.add_argument("--sizes", default="7,13,20,33,45,57,64,85", help="--speed-table: billions of params")
   args = parser.parse_args(argv)
+  if args.speed_table:
+    return speed_table(args)
   sizes = QUICK if args.quick else LLAMA
   device_bytes = 64e6 if args.quick else None
   started = time.time()
