@@ -96,8 +96,8 @@ class StackPlacement:
   predicted: Cost
   step_seconds: float
   step_lower_bound: float
-  probes: dict = dataclasses.field(repr=False, default_factory=dict)
-  rejected: tuple = dataclasses.field(repr=False, default=())
+  probes: dict = dataclasses.field(repr=False, default_factory=dict, compare=False, hash=False)
+  rejected: tuple = dataclasses.field(repr=False, default=(), compare=False, hash=False)
 
   @property
   def streamed_layers(self) -> int:
