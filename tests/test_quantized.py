@@ -322,12 +322,13 @@ def test_checkpoint_round_trips_codes_and_scales_bit_exactly_into_another_tier(t
 
 
 def test_the_xla_rule_has_no_full_size_float32_temporary_of_the_moments():
-  # One 8M-value leaf: the new moments as float32 temporaries would be 8 bytes per value
-  # (64 MiB; 9.0 bytes per value before the rule worked in slices of rows). XLA:CPU
-  # still copies the codes (2 bytes per value); the H100 compile holds 2 MiB in all
-  # (docs/benchmarks.md).
-  n = 4096 * 2048
-  params = {"w": jax.ShapeDtypeStruct((4096, 2048), jnp.float32)}
+  # One leaf of 32 slices (kernels/reference.SLICE_VALUES values each; abstract, nothing allocated): the new
+  # moments as float32 temporaries of the whole leaf would be 8 bytes per value (9.0 before the rule worked in
+  # slices of rows). XLA:CPU still copies the codes (2 bytes per value); the slices' temporaries are a fixed
+  # number of bytes per value of a slice, a 32nd of a byte per value of this leaf each.
+  from optax_hybrid.kernels import reference
+  n = 32 * reference.SLICE_VALUES
+  params = {"w": jax.ShapeDtypeStruct((4096, n // 4096), jnp.float32)}
   tx = optax_hybrid.hybrid_adamw(1e-3, weight_decay=0.0, moment_format="8bit", kernel="xla")
   state = tx.init(params)
   compiled = jax.jit(tx.step, donate_argnums=(0, 1)).lower(params, state, params).compile()
@@ -354,3 +355,29 @@ def test_convergence_matches_float32_moments(problem):
     assert 0.8 < eight / full < 1.25, (full, eight)
   else:
     assert abs(eight - full) <= 0.02 * full, (full, eight)
+
+
+@pytest.mark.parametrize("master", [None, "stochastic", "kahan"])
+def test_a_leaf_stepped_in_slices_of_rows_matches_the_leaf_stepped_whole(master, monkeypatch):
+  """The xla rule's slices of rows (kernels/reference.SLICE_VALUES) change the loop, not one number: the same
+  leaf stepped in 12 slices and whole, three steps, bit for bit (codes, scales, params and what the master keeps)."""
+  from optax_hybrid.kernels import reference
+  rng = np.random.default_rng(3)
+  dtype = jnp.float32 if master is None else jnp.bfloat16
+  params = {"w": jnp.asarray(rng.normal(size=(96, 256)), dtype), "b": jnp.asarray(rng.normal(size=(256,)), dtype)}
+  grads = [jax.tree.map(lambda p, i=i: jnp.asarray(rng.normal(size=p.shape) * (i + 1), dtype), params)
+           for i in range(3)]
+
+  def run(slice_values):
+    monkeypatch.setattr(reference, "SLICE_VALUES", slice_values)
+    tx = optax_hybrid.hybrid_adamw(1e-2, weight_decay=0.1, moment_format="8bit", kernel="xla",
+                                   **({} if master is None else {"master": master}))
+    p, s = params, tx.init(params)
+    step = jax.jit(tx.step)  # traced anew per run: the slice size is read when the step is traced
+    for g in grads:
+      p, s = step(p, s, g)
+    return jax.device_get((p, s))
+
+  whole, sliced = run(2**20), run(8 * 256)
+  for a, b in zip(jax.tree.leaves(whole), jax.tree.leaves(sliced), strict=True):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -195,10 +195,13 @@ def _leaf_result(leaf: LeafOperands, fact: LeafFacts, s: Any, step: Step, offset
 # Values of a leaf with 8-bit storage that the rule updates at once. XLA keeps
 # the new values of what it updates at once in float32 temporaries (they
 # feed both the block maxima and the codes), so a larger leaf is updated in
-# slices of whole rows, one after another in a loop, which bounds them to a
-# few MiB (4 bytes per value of a slice, per field) instead of 4 bytes per
-# value of the leaf per field.
-SLICE_VALUES = 2**18
+# slices of whole rows, one after another in a loop, which bounds them (4
+# bytes per value of a slice, per field) instead of 4 bytes per value of the
+# leaf per field. A slice is large (tens of MiB of temporaries) because each
+# trip of the loop launches its kernels again: small slices made a layer of a
+# width-4096 decoder thousands of launches, which bounded its step on a GPU
+# (docs/benchmarks.md, 2026-12-05).
+SLICE_VALUES = 2**23
 
 
 def _row_axes(leaf: LeafOperands, fact: LeafFacts) -> int:
