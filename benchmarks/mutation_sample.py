@@ -3,7 +3,7 @@
 A whole run of mutmut over ``optax_hybrid/`` is about 9,200 mutants, some 12
 hours with one worker on a 2-core machine; a sample of a few mutants per
 module, drawn with a fixed seed, gives each module a score in minutes to an
-hour and names its survivors (docs/testing.md, "Mutation testing (mutmut)").
+hour and names its survivors (docs/records/testing.md, "Mutation testing (mutmut)").
 The draw depends only on the seed, the module and its mutants' names (not on
 which other modules are asked for), so a module's sample is the same whether
 it is run alone or with others, and reruns report the same mutants.

@@ -10,7 +10,7 @@ testing nothing. The native kernel is rebuilt in the copy when a bug changes
 it. Each bug runs the tests listed with it as CI runs the suite (pyproject's
 options: two pytest-xdist workers, each running whole files) and prints the
 failing tests.
-The table it prints is recorded in docs/testing.md.
+The table it prints is recorded in docs/records/testing.md.
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ scales, masters, count, skipped; disk-tier moments read from their files) is
 bit-identical to one uninterrupted run's; after every kill and at the end,
 the disk tier's directory and the workers' ``TMPDIR`` hold nothing; at the
 end the checkpoint directory holds no temporary or set-aside directory.
-Exits 1 if any check fails. Figures: docs/testing.md.
+Exits 1 if any check fails. Figures: docs/records/testing.md.
 """
 
 from __future__ import annotations

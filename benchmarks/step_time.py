@@ -24,7 +24,7 @@ one more depth and prints the extrapolation's error there.
 
 Model sizes: a 7B-class model (32 layers, 6.74 B params) for every setup, and
 each setup at its capacity on one H200 with 256 GB of host memory (the depths
-of docs/benchmarks.md's "Largest trainable model per host memory", batch
+of docs/records/benchmarks.md's "Largest trainable model per host memory", batch
 1 x 2048; ``host_state`` with its params on the device has no row there: its
 depth is the host tier's). Columns: estimated step time, tokens/s, MFU
 (``6 N T`` model flops over the time at 989 TFLOP/s), the bus time hidden

@@ -7,7 +7,7 @@ For ``optax.adamw`` and ``hybrid_adamw`` (XLA rule) on one float32 leaf of 16M
 donated: each fusion over the whole leaf, its operands and result, and the
 streams of 4 bytes per param they read and write in all. A one-pass step
 (the native kernel's ``tx.step``, torch's fused AdamW) moves 7: read p, g,
-m, v; write m, v, p (docs/benchmarks.md).
+m, v; write m, v, p (docs/records/benchmarks.md).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ Most of the suite's time is XLA:CPU compiling small programs, and most of a
 compilation is LLVM optimizing the generated code. ``tests/conftest.py`` adds
 :data:`FAST_CPU_COMPILE` to ``XLA_FLAGS`` before JAX starts (subprocesses
 inherit it): LLVM then compiles without optimizing: 30% less CPU time for
-files of small programs, 13% for the whole suite (docs/testing.md). The
+files of small programs, 13% for the whole suite (docs/records/testing.md). The
 programs are the same HLO (XLA's own passes, fusion, layouts, buffer
 assignment and memory kinds do not depend on it: the optimized HLO text and
 ``memory_analysis()`` of a hybrid_adamw step are identical with and without

@@ -35,7 +35,7 @@ else:
 def pytest_configure(config):
   # Also declared by pytest-xdist; declared here so that a run without it
   # (`-p no:xdist`) does not warn about the marks below.
-  config.addinivalue_line("markers", "xdist_group(name): tests pytest-xdist runs in one worker (docs/testing.md)")
+  config.addinivalue_line("markers", "xdist_group(name): tests pytest-xdist runs in one worker (docs/records/testing.md)")
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook reads the marks

@@ -452,7 +452,7 @@ def test_update_errors_leave_donated_state_intact(grads):
 @pytest.mark.parametrize("name", ["hybrid_adamw", "hybrid_lion", "hybrid_adagrad", "hybrid_sgd"])
 def test_a_bad_learning_rate_is_reported_by_the_function_called(name):
   # The rows above check the text after the name; the message starts with the optimizer the user called
-  # (options.check_learning_rate with owner None survived mutation testing: docs/testing.md).
+  # (options.check_learning_rate with owner None survived mutation testing: docs/records/testing.md).
   with pytest.raises(ValueError, match=rf"^{name}: `learning_rate` must be >= 0.0, got -0.001\.$"):
     getattr(optax_hybrid, name)(-1e-3)
 

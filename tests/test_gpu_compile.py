@@ -106,7 +106,7 @@ def same_worker(tier: str, devices: int = 1):
   """The mark that runs every test of one :func:`compile_tier` call in one pytest-xdist worker.
 
   Each tier's subprocesses then run once, in one worker, and different tiers
-  can run in different workers (tests/conftest.py; docs/testing.md).
+  can run in different workers (tests/conftest.py; docs/records/testing.md).
   """
   return pytest.mark.xdist_group(f"tests/test_gpu_compile.py:{tier}-{devices}")
 

@@ -132,7 +132,7 @@ def test_type_errors_name_the_argument(kwargs, name):
     optax_hybrid.warmup_cosine_schedule(**kwargs)
 
 
-# Tests added for surviving mutants of schedules.py (mutation testing, docs/testing.md).
+# Tests added for surviving mutants of schedules.py (mutation testing, docs/records/testing.md).
 
 def test_defaults_are_no_warmup_and_a_floor_of_zero():
   sched = optax_hybrid.warmup_cosine_schedule(2.0, total_steps=10)

@@ -4,7 +4,7 @@ One setup with every tier (disk included), 8-bit moments, bf16 params with
 fp32 masters and skip_nonfinite over NaN batches; 30 steps with a save every
 5; one SIGKILL the moment a save's temporary directory appears, one at a
 random moment, then a run to the end. The full soak and its figures:
-docs/testing.md.
+docs/records/testing.md.
 """
 
 import json

@@ -374,7 +374,7 @@ def test_a_host_group_lowered_for_cuda_runs_the_reference_not_the_devices_pallas
     assert jaxpr.count("pallas_call") == launches, spec
 
 
-# --- tests added for surviving mutants of tiers.py (mutation testing, docs/testing.md) ---
+# --- tests added for surviving mutants of tiers.py (mutation testing, docs/records/testing.md) ---
 
 def test_pick_by_fraction_takes_a_leaf_exactly_half_inside_and_never_an_empty_one():
   # 10 + 30/2 = 25 is exactly 25% of 100: "at least half of it fits" takes it.

@@ -54,7 +54,7 @@ def built(tmp_path_factory):
       shutil.rmtree(tmp / "dist", ignore_errors=True)
       shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(
           ".git", ".venv", "build", "dist", "*.egg-info", "__pycache__", "*.so", "*.pyd", "runs", ".pytest_cache",
-          ".hypothesis", "_build", "mutants"))  # mutants/: mutmut's mutated copy (docs/testing.md)
+          ".hypothesis", "_build", "mutants"))  # mutants/: mutmut's mutated copy (docs/records/testing.md)
       # --no-isolation: the build requirements (setuptools, jax) are the test
       # environment's, so nothing is downloaded.
       run(sys.executable, "-m", "build", "--no-isolation", "--outdir", tmp / "dist", source)
