@@ -68,8 +68,6 @@ from optax_hybrid.rules.adamw import HybridAdamState, hybrid_adamw, scale_by_hyb
 from optax_hybrid.rules.lion import HybridLionState, hybrid_lion
 from optax_hybrid.rules.sgd import HybridSgdState, hybrid_sgd
 from optax_hybrid.transform import HybridOptimizer, StepInParts, moment_values
-# A tool of the GPU-compile package, exported here as the check users run on their own train step.
-from optax_hybrid.gpu_compile.jaxpr_check import host_arithmetic_outside_host_compute
 
 __version__ = "0.1.0"
 
@@ -112,6 +110,11 @@ __all__ = [
 
 
 def __getattr__(name: str):
+  if name == "host_arithmetic_outside_host_compute":
+    # A tool of the GPU-compile package, exported as the check users run on their own train step; imported on use,
+    # so that `import optax_hybrid` does not load the package.
+    from optax_hybrid.gpu_compile.jaxpr_check import host_arithmetic_outside_host_compute
+    return host_arithmetic_outside_host_compute
   # HybridAdamW: the name hybrid_adamw's result had before every rule shared the engine (0.1.0's docs promise it).
   if name == "HybridAdamW":
     _warnings.warn("optax_hybrid.HybridAdamW is deprecated: use optax_hybrid.HybridOptimizer, what every hybrid_* "

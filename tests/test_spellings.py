@@ -211,3 +211,19 @@ def test_the_exported_names_are_what_users_call():
   # The engine's modules stay importable where the docs and tests reach them.
   for name in ("plan", "tiers", "masters", "options", "base", "rules", "disk", "recipe", "report", "flat_params"):
     assert isinstance(getattr(optax_hybrid, name), types.ModuleType), name
+
+
+def test_importing_the_package_does_not_load_the_gpu_compile_toolkit():
+  """``gpu_compile`` (its CUDA plugin, its HLO readers) is imported on use; its one exported check still resolves."""
+  import os
+  import subprocess
+  import sys
+  code = ("import sys, optax_hybrid\n"
+          "loaded = sorted(m for m in sys.modules if m.startswith('optax_hybrid.gpu_compile'))\n"
+          "assert not loaded, loaded\n"
+          "from optax_hybrid import *\n"
+          "assert host_arithmetic_outside_host_compute.__module__ == 'optax_hybrid.gpu_compile.jaxpr_check'\n"
+          "print('OK')\n")
+  result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, JAX_PLATFORMS="cpu"))
+  assert result.stdout.strip() == "OK", result.stderr[-3000:]
