@@ -324,10 +324,9 @@ def _store(lp: LeafPlan, leaf: LeafIn, result: tuple) -> LeafOut:
   A disk leaf's state goes back to its files from where it was computed.
   """
   first, state, master = result
-  if lp.runs_on == "host":  # host compute leaves its results in host memory
-    return LeafOut(_compat.move(first, lp.param_space), _compat.move(state, lp.state_space),
-                   _compat.move(master, lp.state_space))
-  if lp.slice_rows:  # stepped in place, slice by slice, in the buffers where each value lives
+  # Host compute leaves its results in host memory; a leaf stepped in place, slice by slice, in the buffers
+  # where each value lives.
+  if lp.runs_on == "host" or lp.slice_rows:
     return LeafOut(_compat.move(first, lp.param_space), _compat.move(state, lp.state_space),
                    _compat.move(master, lp.state_space))
   # Computed on the device: copied out where the plan keeps a value elsewhere (a host_state param, the state).

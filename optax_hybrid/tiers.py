@@ -322,18 +322,6 @@ def whole_leading_axes(sharding: Any, ndim: int) -> int:
   return split[0] if split else ndim
 
 
-def master_needed(param_dtype: Any, master_dtype: Any) -> bool:
-  """Does a leaf of ``param_dtype`` keep a master copy in ``master_dtype``? Only for lower-precision floats.
-
-  (A master format of :mod:`optax_hybrid.masters` says it with ``applies_to``.)
-  """
-  if master_dtype is None:
-    return False
-  param_dtype = np.dtype(param_dtype)
-  return (jax.numpy.issubdtype(param_dtype, jax.numpy.floating)
-          and param_dtype.itemsize < np.dtype(master_dtype).itemsize)
-
-
 __all__ = ["DEVICE_TIER", "DISK_TIER", "Fractions", "HOST_STATE_TIER", "HOST_TIER", "PLACEMENTS", "PlacementSpec",
-           "STATE_KIND", "TIERS", "TierSpec", "by_fraction", "check_fraction", "check_placement_spec", "master_needed",
+           "STATE_KIND", "TIERS", "TierSpec", "by_fraction", "check_fraction", "check_placement_spec",
            "whole_leading_axes", "pick_by_fraction", "resolve", "zero1_sharding"]

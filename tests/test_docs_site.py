@@ -99,3 +99,32 @@ def test_readme_links_resolve():
     if anchor:
       headings = re.findall(r"^#+ (.*)$", open(target).read(), flags=re.M)
       assert anchor in {slug(h) for h in headings}, f"README links to {link}: no such heading"
+
+
+# The guide says how and why, a few screens a page; dated measurements live in
+# docs/records/, which the guide links to. docs/architecture.md is the
+# internals' page (for those who change the library), not the guide's.
+GUIDE_LINES = 250
+NOT_GUIDE = ("index.md", "architecture.md")
+DATE = re.compile(r"\b20\d\d-[01]\d-[0-3]\d\b")
+
+
+def guide_pages() -> list[str]:
+  return sorted(f for f in os.listdir(DOCS) if f.endswith(".md") and f not in NOT_GUIDE)
+
+
+def test_guide_pages_are_a_few_screens_and_their_figures_live_in_the_records():
+  assert {"getting_started.md", "choosing.md", "optimizer.md", "tiers.md", "streaming.md", "checkpoints.md",
+          "errors.md"} <= set(guide_pages())
+  records = os.listdir(os.path.join(DOCS, "records"))
+  assert {"benchmarks.md", "testing.md"} <= set(records)
+  long, dated = [], []
+  for page in guide_pages():
+    text = open(os.path.join(DOCS, page)).read()
+    if text.count("\n") > GUIDE_LINES:
+      long.append(f"{page}: {text.count(chr(10))} lines")
+    # A date may stand only in a link to a record's heading.
+    unlinked = re.sub(r"\]\(records/[^)]*\)", "]()", text)
+    dated += [f"{page}: {m.group(0)}" for m in DATE.finditer(unlinked)]
+  assert not long, f"guide pages over {GUIDE_LINES} lines (move measurements to docs/records/): {long}"
+  assert not dated, f"dated figures in the guide (they belong in docs/records/, linked): {dated}"

@@ -395,14 +395,6 @@ def test_fractions_zero_and_one_are_valid_and_mean_none_and_all():
     every.close()
 
 
-def test_master_needed_only_for_lower_precision_floats_and_only_with_a_master_dtype():
-  assert tiers.master_needed(jnp.bfloat16, None) is False
-  assert tiers.master_needed(jnp.float32, None) is False
-  assert tiers.master_needed(jnp.bfloat16, jnp.float32)
-  assert not tiers.master_needed(jnp.float32, jnp.float32)
-  assert not tiers.master_needed(jnp.int8, jnp.float32)
-
-
 def test_the_plan_is_immutable_hashable_static_data():
   import dataclasses
   state = optax_hybrid.hybrid_adamw(1e-3, weight_decay=0.0,
