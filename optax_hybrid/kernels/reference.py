@@ -200,7 +200,7 @@ def _leaf_result(leaf: LeafOperands, fact: LeafFacts, s: Any, step: Step, offset
 # leaf per field. A slice is large (tens of MiB of temporaries) because each
 # trip of the loop launches its kernels again: small slices made a layer of a
 # width-4096 decoder thousands of launches, which bounded its step on a GPU
-# (docs/records/benchmarks.md, 2026-12-05).
+# (docs/records/benchmarks.md#2026-12-05-8-bit-rows-in-larger-slices).
 SLICE_VALUES = 2**23
 
 
