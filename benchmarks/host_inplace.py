@@ -22,7 +22,7 @@ Usage::
   JAX_PLATFORMS=cpu PYTHONPATH=. python benchmarks/host_inplace.py [--formats float32,8bit]
       [--leaves 4 --shape 1024x1024] [--experiments]
 
-Figures are what XLA:GPU plans, not a measured run; see docs/gpu_compile.md,
+Figures are what XLA:GPU plans, not a measured run; see docs/records/gpu_compile.md,
 section "The host tier's state is copied once per step".
 """
 
