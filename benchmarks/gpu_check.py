@@ -536,7 +536,7 @@ def _llama_run(cfg_kw: dict, streamed: bool, steps: int, reps: int, in_backward:
   ``host_state`` tier). bf16 params. ``pgle``: the step jitted with JAX's
   profile-guided scheduling (``jax_enable_pgle``: its first runs are timed
   on the device and the step recompiled with XLA's scheduler told what
-  each copy and kernel took; docs/streaming.md), the estimate still that
+  each copy and kernel took; docs/records/streaming_programs.md), the estimate still that
   of the program compiled without it. Returns (losses, seconds per step,
   params, device GiB, host GiB, the step's estimate (a ``StepTime``), and
   the kernels and launches a profiled step ran (None without a GPU trace)).

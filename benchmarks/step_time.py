@@ -37,7 +37,7 @@ batch), compiled and estimated at that batch.
 ``--overlap-probe``: a loop of 8 trips of 40 matmuls that brings 6 slices in
 per trip, as 6 copies or as one packed copy, fetched in the trip or a trip
 ahead: how much of the bus XLA's schedule hides in each case
-(docs/streaming.md). ``--one``: one compile's figures as a JSON line
+(docs/records/streaming_programs.md). ``--one``: one compile's figures as a JSON line
 (``XLA_FLAGS`` apply; ``--variants``: the step again with each figure of the model moved, docs/step_time.md).
 
 Each compile runs in its own subprocess; a failed compile stops the run.
@@ -387,7 +387,7 @@ def main(argv=None):
   parser.add_argument("--layers", type=int, default=4, help="--one: layers")
   parser.add_argument("--batch", type=int, default=1, help="--one: sequences of 2048")
   parser.add_argument("--write-latency-profile", default="", metavar="PATH",
-                      help="--one: write a profile for XLA's scheduler from the estimate's costs (docs/streaming.md)")
+                      help="--one: write a profile for XLA's scheduler from the estimate's costs (docs/records/streaming_programs.md)")
   parser.add_argument("--variants", action="store_true",
                       help="--one: the step estimated with each figure of the model moved (docs/step_time.md)")
   parser.add_argument("--flat-layers", action="store_true",

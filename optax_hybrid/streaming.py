@@ -5,7 +5,7 @@ A model whose layers are stacked on a leading axis (one array per weight kind,
 can keep those arrays in host memory (``pinned_host``). Differentiated by JAX,
 such a scan brings each layer to the device but accumulates the stacked
 gradient in device memory: 2 bytes per bf16 weight on the device, growing
-with depth (measured on the H200 target: docs/streaming.md).
+with depth (measured on the H200 target: docs/records/streaming_programs.md).
 :func:`scan_layers` computes the same values and gradients with a backward
 pass of its own (``jax.custom_vjp``): the forward loop brings layer ``i`` to
 the device, saves the carry and runs the layer; the backward loop brings layer
