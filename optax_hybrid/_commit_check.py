@@ -127,7 +127,7 @@ def message(seen: _Seen) -> str:
           "params this optimizer was initialized with are uncommitted (as jax.numpy, jax.random and Flax make "
           "them), so the second call sees committed arrays where the first saw uncommitted ones and compiles "
           f"the whole step again. Commit what the step takes once, before its first call:\n{lines}\n"
-          "(docs/optimizer.md, 'A step that compiles once').")
+          "(docs/tiers.md, 'A step that compiles once').")
 
 
 def _user_stacklevel() -> int:
