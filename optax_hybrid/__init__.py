@@ -121,3 +121,8 @@ def __getattr__(name: str):
                   "optimizer returns (HybridAdamW is that class).", DeprecationWarning, stacklevel=2)
     return HybridOptimizer
   raise AttributeError(f"module 'optax_hybrid' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+  # The check imported on use (above) is listed as the module's own name.
+  return sorted(set(globals()) | {"host_arithmetic_outside_host_compute"})
