@@ -117,6 +117,21 @@ def is_host_kind(kind: Any) -> bool:
   return kind in HOST_MEMORY_KINDS
 
 
+def abstract_sharding_in(sharding: Any, kind: str) -> Any:
+  """``sharding`` in memory ``kind``, for a ``jax.ShapeDtypeStruct`` that JAX traces where real arrays would be.
+
+  JAX 0.10 traces a ``ShapeDtypeStruct`` whose ``SingleDeviceSharding`` names
+  host memory as a device value (a ``NamedSharding`` one as a host value, as it
+  does real arrays placed there either way), so a one-device sharding in host
+  memory is named on a one-device mesh of its device.
+  """
+  if isinstance(sharding, jax.sharding.SingleDeviceSharding) and is_host_kind(kind):
+    mesh = jax.sharding.Mesh(np.array(list(sharding.device_set)), ("one",),
+                             axis_types=(jax.sharding.AxisType.Auto,))
+    return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(), memory_kind=kind)
+  return sharding.with_memory_kind(kind)
+
+
 def is_tracer(x: Any) -> bool:
   return isinstance(x, Tracer)
 

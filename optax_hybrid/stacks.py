@@ -124,7 +124,7 @@ def _rows_placed(a: Any, rows: slice, kind: str) -> Any:
   sharding = getattr(a, "sharding", None)
   if isinstance(a, jax.ShapeDtypeStruct):
     return jax.ShapeDtypeStruct(shape, a.dtype, sharding=None if sharding is None
-                                else sharding.with_memory_kind(kind))
+                                else _compat.abstract_sharding_in(sharding, kind))
   if _compat.is_tracer(a):
     return _compat.move(a[rows], placement.space_of_kind(kind))
   if sharding is None:

@@ -43,6 +43,28 @@ def test_split_stack_places_the_first_rows_on_the_device_and_the_rest_in_host_me
   assert split_stack(stack, 4).resident["w"].shape == (4, D, D)
 
 
+def test_abstract_rows_placed_by_split_stack_are_traced_where_real_ones_are():
+  """A ShapeDtypeStruct stack on one device (as a real, placed model's would be described) splits into parts that
+  jit traces in the memory real arrays placed there are traced in: else its host rows would be compiled as device
+  values (a GPU compile then fails with XLA's E1200: a host value returned in device memory)."""
+  from optax_hybrid import _compat
+  device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  abstract = split_stack({"w": jax.ShapeDtypeStruct((L, D), jnp.float32, sharding=device)}, 2)
+  real = split_stack({"w": jax.device_put(VALUES["b"], device)}, 2)
+  seen = {}
+
+  def record(name):
+    def traced(s):
+      seen[name] = {part: str(_compat.memory_space_of(getattr(s, part)["w"])) for part in ("resident", "streamed")}
+      return s
+    return traced
+  jax.jit(record("abstract")).trace(abstract)
+  jax.jit(record("real")).trace(real)
+  assert seen["abstract"] == seen["real"], seen
+  assert seen["real"]["resident"] != seen["real"]["streamed"], seen
+  assert abstract.streamed["w"].sharding.memory_kind == "pinned_host"
+
+
 @pytest.mark.parametrize("bad, message", [(L + 1, "from 0 to the stack's 5 layers"), (-1, "from 0"),
                                           (True, "from 0"), (1.5, "from 0")])
 def test_split_stack_refuses_a_split_outside_the_stack(bad, message):
