@@ -26,6 +26,14 @@ resident share, device and host GB, bus bytes per weight each way, the
 estimate and its lower bound, tokens/s and MFU (6 N flops per token at 989
 TFLOP/s); ``optax.adamw`` (bf16 params, fp32 ``mu``) where it fits.
 
+``--check-split MEMORY --layers N``: the placement the planner chooses for N
+layers and that host memory, against the best split found by searching it at
+full depth, each candidate compiled whole: for each way of holding the resident layers (their state on
+the device or in host memory), the most resident layers that fit both budgets
+(each resident layer moves fewer bytes than a streamed one, so the most that fit
+is that way's fewest bus bytes), found by bisection; printed with the chosen
+placement's bus bytes over the best's.
+
 Prints a markdown table: per host memory, layers, params, the ratio to the
 baseline, the placement (resident layers and their state, streamed layers),
 device and host GB as compiled, bus bytes per weight each way per step, and the
@@ -167,6 +175,70 @@ def speed_table(args) -> None:
             f"{6 * n * tokens / c.step_seconds / PEAK_FLOPS:.1%} | {adamw} |", flush=True)
 
 
+def compile_split(layers: int, resident: int, resident_state: str, sizes: dict, target: str) -> dict:
+  """``resident`` layers on the device (their state in ``resident_state``), the rest streamed with their state in
+  host memory: a placement named here (not the planner's choice), placed by ``StackPlacement``; the step compiled
+  whole."""
+  from optax_hybrid import gpu_compile
+  params, batch, step = model_at(layers, sizes)
+  rest_state = resident_state if resident else "host_state"
+  placement = optax_hybrid.StackPlacement("layers", layers, resident, resident_state, rest_state, target,
+                                          0.0, 0.0, None, None, 0.0, 0.0)
+  placed, tx = placement.place(params), optimizer(placement.state_memory_kind)
+  report = gpu_compile.compile_for_gpu(step(tx), placed, tx.init(placed), batch, target=target,
+                                       donate_argnums=(0, 1))
+  return dict(resident=resident, state=resident_state, device=report.device_peak_bytes, host=report.host_peak_bytes,
+              bus_in=report.to_device_bytes, bus_out=report.to_host_bytes)
+
+
+def check_split(args) -> None:
+  """The planner's choice at ``--layers`` against the best split found by bisection at full depth, per way."""
+  from optax_hybrid import gpu_compile
+  sizes, layers = QUICK if args.quick else LLAMA, args.layers
+  host_bytes = 2e8 if args.quick else HOST_MEMORIES[args.check_split]
+  device_bytes = 64e6 if args.quick else gpu_compile.target_device_memory_bytes(args.target)
+  device_budget, host_budget = 0.9 * device_bytes, 0.9 * host_bytes
+  started = time.time()
+  chosen = choose(layers, sizes, host_bytes, args.target, {}, device_bytes)
+  if chosen is None:
+    raise SystemExit(f"{layers} layers: the planner finds no placement with {args.check_split}")
+  c, n = chosen["chosen"], chosen["params"]
+  fits = lambda r: r["device"] <= device_budget and r["host"] <= host_budget
+  best = []
+  for way in ("device", "host_state"):
+    known = c.resident_state == way
+    lo = (dict(resident=c.resident_layers, state=way, device=c.compiled.device, host=c.compiled.host,
+               bus_in=c.compiled.bus_in, bus_out=c.compiled.bus_out) if known else None)
+    lo_k, hi_k = (c.resident_layers, layers + 1) if known else (-1, layers + 1)
+    while hi_k - lo_k > 1:
+      k = lo_k + 1 if known and lo_k == c.resident_layers and hi_k == layers + 1 else (lo_k + hi_k) // 2
+      r = compile_split(layers, k, way, sizes, args.target)
+      print(f"    {way}: {k} resident: device {r['device'] / GB:.1f} GB, host {r['host'] / GB:.1f} GB, "
+            f"{'fits' if fits(r) else 'does not fit'}", file=sys.stderr, flush=True)
+      if fits(r):
+        lo_k, lo = k, r
+      else:
+        hi_k = k
+    if lo is not None:
+      best.append(lo)
+  print(f"\nThe planner's placement for {layers} layers ({n / 1e9:.2f} B params) with {args.check_split} of host "
+        f"memory, against the best split found by bisection at full depth (each candidate placed by hand with "
+        f"StackPlacement and compiled whole for the {args.target.upper()}; budgets 0.9 of each memory); "
+        f"jax {jax.__version__}, {time.time() - started:.0f} s:\n")
+  print("| placement | resident (state) / streamed | device GB | host GB | bus in / out B/weight |")
+  print("|---|---|---:|---:|---:|")
+  print(f"| chosen by choose_placement | {c.resident_layers} ({c.resident_state}) / {c.streamed_layers} | "
+        f"{c.compiled.device / GB:.1f} | {c.compiled.host / GB:.1f} | {c.compiled.bus_in / n:.2f} / "
+        f"{c.compiled.bus_out / n:.2f} |")
+  for r in best:
+    print(f"| the most resident layers that fit, state on {r['state']} | {r['resident']} ({r['state']}) / "
+          f"{layers - r['resident']} | {r['device'] / GB:.1f} | {r['host'] / GB:.1f} | {r['bus_in'] / n:.2f} / "
+          f"{r['bus_out'] / n:.2f} |")
+  fewest = min(r["bus_in"] + r["bus_out"] for r in best)
+  print(f"\nThe chosen placement's bus bytes per step are {(c.compiled.bus_in + c.compiled.bus_out) / fewest:.3f}x "
+        f"the fewest found.")
+
+
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--target", default="h200")
@@ -177,7 +249,11 @@ def main(argv=None):
   parser.add_argument("--quick", action="store_true", help="small widths and a tiny device: a test of the script")
   parser.add_argument("--speed-table", action="store_true", help="step times of the chosen placement by model size")
   parser.add_argument("--sizes", default="7,13,20,33,45,57,64,85", help="--speed-table: billions of params")
+  parser.add_argument("--check-split", metavar="MEMORY", help="the choice against a search of the split, at --layers")
+  parser.add_argument("--layers", type=int, default=435, help="--check-split: the model's depth")
   args = parser.parse_args(argv)
+  if args.check_split:
+    return check_split(args)
   if args.speed_table:
     return speed_table(args)
   sizes = QUICK if args.quick else LLAMA

@@ -160,9 +160,12 @@ def choose_placement(optimizer: Callable[..., Any], step: Callable[[Any], Callab
   them, :math:`f(k, L - k) = b + k\,g_r + (L - k)\,g_s`. Of the placements
   predicted to fit ``budget_fraction`` of each memory, the one with the
   fewest bus bytes (then the most resident layers, then state on the device)
-  is compiled at full depth; if it does not fit, what the prediction missed
-  is spread over that way's resident layers and the next best is compiled,
-  up to ``max_confirms`` compiles.
+  is compiled at full depth. If it does not fit, what the prediction missed
+  is spread over that way's resident layers and the next best is compiled;
+  if it fits, the prediction is made exact there and a placement predicted
+  to move fewer bytes still (a guess that left room) is compiled in turn.
+  The best that fit, after at most ``max_confirms`` full-depth compiles, is
+  the choice.
 
   Nothing of ``params`` is read but shapes, dtypes and shardings; nothing
   is moved. Place the params with :meth:`StackPlacement.place` and build
@@ -187,7 +190,7 @@ def choose_placement(optimizer: Callable[..., Any], step: Callable[[Any], Callab
     host_bytes: the host's memory; None: this machine's (required with a
       ``target`` when planning for another machine is meant: pass it).
     budget_fraction: the share of each memory a placement may use.
-    max_confirms: full-depth compiles tried before giving up.
+    max_confirms: full-depth compiles tried, at most.
     probes: the :attr:`StackPlacement.probes` of an earlier choice for the
       same model, batch, optimizer and target at any depth (the lines do
       not depend on it): its compiles are not repeated (planning for
@@ -283,33 +286,42 @@ def choose_placement(optimizer: Callable[..., Any], step: Callable[[Any], Callab
     return cost.plus(corrections[resident_state], k)
 
   ways = [(k, r) for r in ("device", "host_state") for k in range(length + 1) if not (k == 0 and r == "device")]
-  tried, rejected = set(), []
+  bus = lambda cost: cost.bus_in + cost.bus_out
+  tried, rejected, best = set(), [], None
   while len(tried) < max_confirms:
     whole_on_device = (length, "device") not in tried and predict(length, "device").fits(device_budget, host_budget)
     if not splits and length >= 2 and not whole_on_device:
       measure_splits()
     candidates = [(k, r, cost) for k, r in ways if (cost := predict(k, r)) is not None]
-    fitting = sorted((c for c in candidates if c[2].fits(device_budget, host_budget) and c[:2] not in tried),
-                     key=lambda c: (c[2].bus_in + c[2].bus_out, -c[0], c[1] != "device"))
+    fitting = sorted((c for c in candidates if c[2].fits(device_budget, host_budget) and c[:2] not in tried
+                      and (best is None or (bus(c[2]), -c[0]) < (bus(best[2]), -best[0]))),
+                     key=lambda c: (bus(c[2]), -c[0], c[1] != "device"))
     if not fitting:
-      if not rejected:
+      if best is None and not rejected:
         raise ValueError(_short(candidates, device_budget, host_budget, budget_fraction, length, stack, owner))
       break
     k, resident_state, predicted = fitting[0]
     tried.add((k, resident_state))
     compiled, report = compile_at(length, k, resident_state)
+    missed = compiled.plus(predicted, -1)
     if compiled.fits(device_budget, host_budget):
-      estimate = report.step_time() if _has_hardware(target, gpu_compile) else None
-      return StackPlacement(stack, length, k, resident_state, _rest_state(k, resident_state), target, device_budget,
-                            host_budget, compiled, predicted,
-                            float("nan") if estimate is None else estimate.seconds,
-                            float("nan") if estimate is None else estimate.lower_bound,
-                            probes=probes, rejected=tuple(rejected))
+      best = (k, resident_state, compiled, predicted, report)
+      if k:  # the prediction made exact at k: a guess that left room is followed by one that uses it
+        corrections[resident_state] = corrections[resident_state].plus(
+            Cost(*(x / k for x in dataclasses.astuple(missed))))
+      continue
     rejected.append((k, resident_state, compiled))
     if k:  # spread what the prediction missed over the resident layers of this way
-      missed = compiled.plus(predicted, -1)
       corrections[resident_state] = corrections[resident_state].plus(
           Cost(*(max(x, 0.0) / k for x in dataclasses.astuple(missed))))
+  if best is not None:
+    k, resident_state, compiled, predicted, report = best
+    estimate = report.step_time() if _has_hardware(target, gpu_compile) else None
+    return StackPlacement(stack, length, k, resident_state, _rest_state(k, resident_state), target, device_budget,
+                          host_budget, compiled, predicted,
+                          float("nan") if estimate is None else estimate.seconds,
+                          float("nan") if estimate is None else estimate.lower_bound,
+                          probes=probes, rejected=tuple(rejected))
   k, resident_state, compiled = rejected[0]
   raise ValueError(
       f"{owner}: {len(rejected)} placements predicted to fit did not when compiled at full depth ({length} "
