@@ -268,7 +268,7 @@ def _forward_loop(step: Callable, length: int, carry: Any, layers: Any, xs: Any,
 
 def _backward_loop(step: Callable, length: int, saved: Any, xs: Any, consts: Any, g: Any, stack_of: Callable,
                    use_gradient: Callable, sink: Any, x_diff: list[int] | None, k_diff: list[int],
-                   g_consts: list | None = None) -> tuple:
+                   g_consts: list | None = None, writes_stack: bool = False) -> tuple:
   """Goes back through the layers from the last: each layer's VJP from its saved carry, its gradient to ``use_gradient``.
 
   Trip ``i`` fetches layer ``i - 1`` from ``stack_of(sink)`` beside layer
@@ -282,6 +282,8 @@ def _backward_loop(step: Callable, length: int, saved: Any, xs: Any, consts: Any
   ``xs``' leaves ``x_diff`` (stacked) and of ``consts``' leaves ``k_diff``
   (added to ``g_consts`` when given: the sums of the layers after these, so
   that a stack in two parts adds in the order one stack does).
+  ``writes_stack``: ``use_gradient`` writes its rows into the stack the
+  trips read from (:func:`_after_reading` orders the two).
   """
   x_leaves, k_leaves = jax.tree.leaves(xs), jax.tree.leaves(consts)
 
@@ -300,6 +302,8 @@ def _backward_loop(step: Callable, length: int, saved: Any, xs: Any, consts: Any
       g_xs = [lax.dynamic_update_index_in_dim(buf, g_x[j], i, 0) for buf, j in zip(g_xs, x_diff)]
     g_k = jax.tree.leaves(g_k)
     g_consts = [acc + g_k[j] for acc, j in zip(g_consts, k_diff)]
+    if writes_stack:
+      g_p = _after_reading(preceding, stack_of(sink), g_p)
     return g, preceding, use_gradient(sink, g_p, p, i), g_xs, g_consts
 
   if g_consts is None:
@@ -308,6 +312,23 @@ def _backward_loop(step: Callable, length: int, saved: Any, xs: Any, consts: Any
            list(g_consts))
   g, _, sink, g_xs, g_consts = lax.fori_loop(0, length, body, start)
   return g, sink, g_xs, g_consts
+
+
+def _after_reading(rows: Any, stack: Any, value: Any) -> Any:
+  """``value``, made to depend on ``rows`` wherever they were sliced from a stack in device memory.
+
+  A trip reads the next layer's rows from a stack and writes this layer's
+  stepped rows into the same stack. Unless the write depends on the read,
+  XLA cannot order them and copies the whole device-resident stack on every
+  trip before writing into it (on the H200 target: each leaf stepped in one
+  pass copied its whole stack, per layer, so a step grew with the square of
+  the depth). Rows fetched from host memory are device copies already: they
+  are left unordered, so their transfers keep their schedule.
+  """
+  resident = [r for r, s in zip(jax.tree.leaves(rows), jax.tree.leaves(stack)) if _compat.memory_space_of(s) == DEVICE]
+  if not resident:
+    return value
+  return lax.optimization_barrier((resident, value))[1]
 
 
 def _streamed(step: Callable, lengths: tuple[int, ...], offload: bool) -> Callable:
@@ -583,7 +604,7 @@ def _backward_stepping(steps: Any, layer: _StepLayer, parts: _Parts, params: Any
     g, buffers, _, g_shared = _backward_loop(
         layer.run, parts.lengths[j], saved[j], per_part[j], layer.shared, g,
         lambda buffers, of_part=of_part: of_part(steps.current(buffers)[layers]), step, buffers, None,
-        list(range(len(layer.shared))), g_shared)
+        list(range(len(layer.shared))), g_shared, writes_stack=True)
   return g, buffers, g_shared
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 
 import jax
 import jax.numpy as jnp
@@ -74,7 +75,18 @@ def compile_by_hand(resident: int, resident_state: str) -> dict:
                                                                                  sharding=ONE),
                                        target="h200", donate_argnums=(0, 1))
   return dict(resident=resident, state=resident_state, device=report.device_peak_bytes, host=report.host_peak_bytes,
-              bus=report.to_device_bytes + report.to_host_bytes)
+              bus=report.to_device_bytes + report.to_host_bytes, stack_copies=stack_copies(report.hlo, resident))
+
+
+def stack_copies(hlo: str, resident: int) -> int:
+  """Copies, in device memory, of a whole array shaped like a leaf of the resident part of the stack.
+
+  Counted where that part has two layers or more (a part of one layer is
+  shaped like the layer, whose device copies each trip makes anyway).
+  """
+  shapes = {f"bf16[{resident},{','.join(map(str, v.shape[1:]))}]" for v in PARAMS["layers"].values()}
+  copies = re.findall(r"= (bf16\[[\d,]*\])(\{[^}]*\})? copy\(", hlo)
+  return sum(shape in shapes and "S(5)" not in (layout or "") for shape, layout in copies) if resident > 1 else 0
 
 
 def choice() -> dict:

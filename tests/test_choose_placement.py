@@ -14,7 +14,10 @@ asks the planner. What must hold:
 * the chosen split, and the same split with its resident layers' state on the
   device, step as the stack held whole in host memory, bit for bit (CPU);
 * budgets that cannot hold what stays on the device, a stack that is not
-  there and a budget that is not a number are refused, naming the argument.
+  there and a budget that is not a number are refused, naming the argument;
+* every placement writes its resident layers' stepped rows into their stack
+  in place: no copy of a whole resident stack (one per trip grew the step
+  with the square of the depth).
 """
 
 from __future__ import annotations
@@ -41,6 +44,12 @@ def records() -> dict:
   if set(out) != {"choice", "numbers", "errors"}:
     raise RuntimeError(f"{SCRIPT} stopped after {sorted(out)}:\n{proc.stderr[-3000:]}")
   return out
+
+
+def test_resident_layers_are_stepped_into_their_stack_in_place():
+  every = records()["choice"]["every"]
+  assert {p["resident"] for p in every} >= {2, 3, 4}  # parts of several layers, each with its state in either place
+  assert [(p["resident"], p["state"]) for p in every if p["stack_copies"]] == []
 
 
 def test_the_choice_fits_and_nothing_that_moves_fewer_bytes_does():
