@@ -514,7 +514,48 @@ def test_a_loop_of_many_short_trips_is_bound_by_the_host():
   assert t.seconds == pytest.approx(1000 * LAUNCH + TINY_KERNEL, rel=1e-9)
   assert t.loop_trips == 1000 and t.launches == 1000
   (loop,) = t.loops
-  assert (loop.trips, loop.launches) == (1000, 1000)
+  assert (loop.trips, loop.launches, loop.kernels, loop.inner_trips) == (1000, 1000, 1000, 0)
+
+
+def test_a_loop_counts_the_kernels_and_the_trips_of_the_loops_in_its_body():
+  carried = f"(s32[], {TINY})"
+  count_to = lambda name: f"""
+%{name} (c: {carried}) -> pred[] {{
+  %c = {carried} parameter(0)
+  %ci = s32[] get-tuple-element(%c), index=0
+  ROOT %lt = pred[] compare(%ci, %ci), direction=LT
+}}
+"""
+  inner = f"""
+%inner (a: {carried}) -> {carried} {{
+  %a = {carried} parameter(0)
+  %j = s32[] get-tuple-element(%a), index=0
+  %v = {TINY} get-tuple-element(%a), index=1
+  %n = {TINY} negate(%v)
+  ROOT %r = {carried} tuple(%j, %n)
+}}
+"""
+  outer = f"""
+%outer (b: {carried}) -> {carried} {{
+  %b = {carried} parameter(0)
+  %i = s32[] get-tuple-element(%b), index=0
+  %v = {TINY} get-tuple-element(%b), index=1
+  %m = {TINY} negate(%v)
+  %start = {carried} tuple(%i, %m)
+  ROOT %w = {carried} while(%start), condition=%inner_cond, body=%inner, backend_config={{"known_trip_count":{{"n":"5"}}}}
+}}
+"""
+  text = module(f"""
+  %p = {TINY} parameter(0)
+  %zero = s32[] constant(0)
+  %start = {carried} tuple(%zero, %p)
+  %w = {carried} while(%start), condition=%outer_cond, body=%outer, backend_config={{"known_trip_count":{{"n":"10"}}}}
+  ROOT %r = s32[] get-tuple-element(%w), index=0""", count_to("inner_cond"), count_to("outer_cond"), inner, outer)
+  t = step_time.estimate(text, OVERHEADS)
+  by_body = {loop.body: loop for loop in t.loops}
+  assert (by_body["outer"].trips, by_body["outer"].kernels, by_body["outer"].inner_trips) == (10, 10 * (1 + 5), 10 * 5)
+  assert (by_body["inner"].trips, by_body["inner"].kernels, by_body["inner"].inner_trips) == (50, 50, 0)
+  assert t.kernels == 60 and t.loop_trips == 10 + 50
 
 
 def test_a_loop_run_from_a_command_buffer_costs_one_launch():
@@ -523,6 +564,8 @@ def test_a_loop_run_from_a_command_buffer_costs_one_launch():
   t = step_time.estimate(tiny_loop(1000), OVERHEADS, plan)
   assert t.seconds == pytest.approx(LAUNCH + 1000 * TINY_KERNEL, rel=1e-9)
   assert t.launches == 1 and t.loop_trips == 0  # the device runs the trips
+  (loop,) = t.loops
+  assert (loop.trips, loop.kernels, loop.inner_trips) == (1000, 1000, 0)
 
 
 def test_a_trip_of_unknown_count_waits_for_its_predicate_on_the_host():

@@ -213,6 +213,9 @@ class LoopTime:
     bus_in, bus_out: copy-engine time its copies took, per direction.
     launches: what the host issued for it (kernels, copies, collectives,
       command buffers), over all its trips.
+    kernels: the kernels its trips ran, those of loops in its body included.
+    inner_trips: trips of the loops in its body that the host drives, over
+      its trips.
   """
 
   body: str
@@ -222,6 +225,8 @@ class LoopTime:
   bus_in: float
   bus_out: float
   launches: int
+  kernels: int = 0
+  inner_trips: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -638,7 +643,7 @@ def _close(a: Any, b: Any) -> bool:
 
 
 _LOOP_FIELDS = {"seconds": "clock", "compute": "busy.compute", "bus_in": "busy.in", "bus_out": "busy.out",
-                "launches": "launches"}  # LoopTime field -> totals() key
+                "launches": "launches", "kernels": "kernels", "inner_trips": "trips"}  # LoopTime field -> totals() key
 
 
 class _Replay:
@@ -658,7 +663,8 @@ class _Replay:
   def result(self) -> StepTime:
     t, hw = self.timeline, self.hardware
     loops = sorted((LoopTime(body, int(round(v["trips"])), v["seconds"], v["compute"], v["bus_in"], v["bus_out"],
-                             int(round(v["launches"]))) for body, v in self.loops.items()), key=lambda x: -x.seconds)
+                             int(round(v["launches"])), int(round(v["kernels"])), int(round(v["inner_trips"])))
+                    for body, v in self.loops.items()), key=lambda x: -x.seconds)
     launches = int(round(t.count["launches"]))
     return StepTime(seconds=t.clock, compute=t.busy["compute"], bus_in=t.busy["in"], bus_out=t.busy["out"],
                     host=t.busy["host"], host_memory=t.busy["memory"], collectives=t.busy["net"],
@@ -807,7 +813,7 @@ class _Replay:
       t = self.timeline  # a conditional in the body may have replaced it
       done += 1
       per_trip = {k: b - totals[k] for k, b in t.totals().items()}
-      _add_stats(self.loops, {name: _loop_stats(per_trip)}, 1)
+      _add_stats(self.loops, {name: _loop_stats(per_trip, ins.name not in self.plan.members)}, 1)
       now = (per_trip, t.state(carried))
       if previous is not None and _close(now, previous) and done < trips:
         carried = t.repeat(per_trip, trips - done, carried)
@@ -817,8 +823,10 @@ class _Replay:
     return carried
 
 
-def _loop_stats(per_trip: dict) -> dict:
-  return {"trips": 1.0, **{field: per_trip[key] for field, key in _LOOP_FIELDS.items()}}
+def _loop_stats(per_trip: dict, host_driven: bool) -> dict:
+  stats = {"trips": 1.0, **{field: per_trip[key] for field, key in _LOOP_FIELDS.items()}}
+  stats["inner_trips"] -= host_driven  # the trip itself
+  return stats
 
 
 def _stats_delta(before: dict, after: dict) -> dict:
