@@ -321,12 +321,13 @@ def test_checkpoint_round_trips_codes_and_scales_bit_exactly_into_another_tier(t
   chex.assert_trees_all_close(jax.device_get(a), jax.device_get(b), rtol=1e-6, atol=1e-7)
 
 
-def test_the_xla_rule_has_no_full_size_float32_temporary_of_the_moments():
-  # One leaf of 32 slices (kernels/reference.SLICE_VALUES values each; abstract, nothing allocated): the new
-  # moments as float32 temporaries of the whole leaf would be 8 bytes per value (9.0 before the rule worked in
-  # slices of rows). XLA:CPU still copies the codes (2 bytes per value); the slices' temporaries are a fixed
-  # number of bytes per value of a slice, a 32nd of a byte per value of this leaf each.
+def test_the_xla_rule_has_no_full_size_float32_temporary_of_the_moments(monkeypatch):
+  # One leaf of 32 slices (kernels/reference.SLICE_VALUES values each, 2^20 here; abstract, nothing allocated):
+  # the new moments as float32 temporaries of the whole leaf would be 8 bytes per value (9.0 before the rule
+  # worked in slices of rows). XLA:CPU still copies the codes (2 bytes per value); the slices' temporaries are a
+  # fixed number of bytes per value of a slice, a 32nd of a byte per value of this leaf each.
   from optax_hybrid.kernels import reference
+  monkeypatch.setattr(reference, "SLICE_VALUES", 2**20)  # read when the step is traced
   n = 32 * reference.SLICE_VALUES
   params = {"w": jax.ShapeDtypeStruct((4096, n // 4096), jnp.float32)}
   tx = optax_hybrid.hybrid_adamw(1e-3, weight_decay=0.0, moment_format="8bit", kernel="xla")

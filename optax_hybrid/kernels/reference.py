@@ -196,12 +196,13 @@ def _leaf_result(leaf: LeafOperands, fact: LeafFacts, s: Any, step: Step, offset
 # the new values of what it updates at once in float32 temporaries (they
 # feed both the block maxima and the codes), so a larger leaf is updated in
 # slices of whole rows, one after another in a loop, which bounds them (4
-# bytes per value of a slice, per field) instead of 4 bytes per value of the
-# leaf per field. A slice is large (tens of MiB of temporaries) because each
-# trip of the loop launches its kernels again: small slices made a layer of a
-# width-4096 decoder thousands of launches, which bounded its step on a GPU
-# (docs/records/benchmarks.md#2026-12-05-8-bit-rows-in-larger-slices).
-SLICE_VALUES = 2**23
+# bytes per value of a slice, per field: 512 MiB for two moments, a small
+# part of an accelerator that trains such leaves) instead of 4 bytes per
+# value of the leaf per field. A slice is that large because each trip of
+# the loop launches its kernels again: every matrix of a width-4096 decoder
+# is stepped in one pass, a layer in about a hundred kernels
+# (docs/records/benchmarks.md#2026-12-06-every-matrix-of-a-layer-in-one-pass).
+SLICE_VALUES = 2**26
 
 
 def _row_axes(leaf: LeafOperands, fact: LeafFacts) -> int:
