@@ -183,3 +183,47 @@ def test_the_step_in_the_backward_pass_reads_the_params_the_backward_pass_brough
   assert not records[1]["report"]["warnings"]
   assert per_layer("to_device_bytes") == (2 + 4) * layer
   assert per_layer("to_host_bytes") == (1 + 4) * layer
+
+
+WIDE = dict(width=1024, heads=8, ffn=2752, vocab=32000, seq=512, batch=1)
+WIDE_SCRIPT = """
+import json, sys
+sys.path.insert(0, "benchmarks")
+import jax, jax.numpy as jnp, numpy as np
+import models, optax_hybrid
+from optax_hybrid import gpu_compile
+
+def peak(layers):
+  cfg = models.LlamaConfig(layers=layers, **SIZES)
+  device = jax.devices()[0]
+  real = lambda x: jax.device_put(np.zeros(x.shape, x.dtype), jax.sharding.SingleDeviceSharding(
+      device, memory_kind=getattr(x.sharding, "memory_kind", None) or "device"))
+  params = jax.tree.map(real, models.llama_params(cfg, jnp.bfloat16, "pinned_host"))
+  tx = optax_hybrid.hybrid_adamw(1e-4, weight_decay=0.1, state_memory_kind="host", master="float32",
+                                 moment_format="float32")
+  def step(p, s, b):
+    loss, g = jax.value_and_grad(lambda p: models.llama_loss(cfg, p, b, stream=True))(p)
+    p, s = tx.step(p, s, g)
+    return p, s, loss
+  report = gpu_compile.compile_for_gpu(step, params, tx.init(params), models._tokens(cfg.batch, cfg.seq),
+                                       target="h200", donate_argnums=(0, 1))
+  return report.device_peak_bytes
+
+print(json.dumps({"peaks": [peak(2), peak(4)]}))
+"""
+
+
+def test_a_wider_decoder_scanned_in_value_and_grad_then_stepped_grows_by_its_carry_alone():
+  # Issue 40's case: scan_layers inside jax.value_and_grad, then tx.step, the host tier with an fp32 master and
+  # moments, real bf16 layers in pinned_host, an untied (D, V) head used as x @ head. It once grew 5.4 MB per
+  # layer against a 1.0 MB carry.
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=root,
+             XLA_FLAGS=without_fast_compiles(os.environ.get("XLA_FLAGS", "")))
+  proc = subprocess.run([sys.executable, "-c", f"SIZES = {WIDE!r}" + WIDE_SCRIPT], env=env, cwd=root,
+                        capture_output=True, text=True, timeout=600)
+  lines = [l for l in proc.stdout.splitlines() if l.startswith("{")]
+  assert lines, proc.stderr[-3000:]
+  shallow, deep = json.loads(lines[-1])["peaks"]
+  carry = WIDE["batch"] * WIDE["seq"] * WIDE["width"] * 2  # the bf16 activations saved per layer
+  assert (deep - shallow) / 2 <= carry * 1.01, ((deep - shallow) / 2, carry)
