@@ -6,6 +6,7 @@ optax_hybrid.kernels.quantized.
 """
 
 import os
+import re
 import sys
 import types
 
@@ -382,3 +383,17 @@ def test_a_leaf_stepped_in_slices_of_rows_matches_the_leaf_stepped_whole(master,
   whole, sliced = run(2**20), run(8 * 256)
   for a, b in zip(jax.tree.leaves(whole), jax.tree.leaves(sliced), strict=True):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_every_matrix_of_a_width_4096_layer_is_stepped_in_one_pass_and_a_larger_leaf_in_slices():
+  # Each trip of the slices' loop launches its kernels again on a GPU: a layer's matrices (up to 4096 x 11008
+  # here) take one pass, no loop; a leaf past kernels/reference.SLICE_VALUES (a 4096 x 32000 head) a loop.
+  s = jax.ShapeDtypeStruct
+  tx = optax_hybrid.hybrid_adamw(1e-3, weight_decay=0.1, moment_format="8bit", kernel="xla", master="stochastic")
+  loops = {}
+  for name, shape in (("square", (4096, 4096)), ("up", (4096, 11008)), ("down", (11008, 4096)),
+                      ("head", (4096, 32000))):
+    params = {"w": s(shape, jnp.bfloat16)}
+    jaxpr = jax.make_jaxpr(tx.step)(params, jax.eval_shape(tx.init, params), params)
+    loops[name] = len(re.findall(r"= (?:while|scan)\[", str(jaxpr)))  # fori_loop: a scan when its trips are known
+  assert loops == {"square": 0, "up": 0, "down": 0, "head": 1}, loops
