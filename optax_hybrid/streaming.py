@@ -290,7 +290,8 @@ def _backward_loop(step: Callable, length: int, saved: Any, xs: Any, consts: Any
   def body(t, loop):
     i = length - 1 - t
     g, p, sink, g_xs, g_consts = loop
-    preceding = _slice(stack_of(sink), jnp.maximum(i - 1, 0))  # fetched beside layer i's arithmetic
+    stack = stack_of(sink)
+    preceding = _slice(stack, jnp.maximum(i - 1, 0))  # fetched beside layer i's arithmetic
     if x_diff is None:
       x = _slice(xs, i)
       _, vjp = jax.vjp(lambda c, p, k: step(c, p, x, k), _slice(saved, i), p, consts)
@@ -303,7 +304,7 @@ def _backward_loop(step: Callable, length: int, saved: Any, xs: Any, consts: Any
     g_k = jax.tree.leaves(g_k)
     g_consts = [acc + g_k[j] for acc, j in zip(g_consts, k_diff)]
     if writes_stack:
-      g_p = _after_reading(preceding, stack_of(sink), g_p)
+      g_p = _after_reading(preceding, stack, g_p)
     return g, preceding, use_gradient(sink, g_p, p, i), g_xs, g_consts
 
   if g_consts is None:
