@@ -82,6 +82,8 @@ class StackPlacement:
     probes: ``{(way, depth): Cost}``, the compiles the choice read.
     rejected: placements predicted to fit that the confirming compile did not
       (``(resident_layers, resident_state, Cost)``), if any.
+    num_devices: the devices the params are split over (FSDP on a mesh), 1
+      on one device; the figures and budgets are each device's.
   """
 
   stack: str
@@ -98,6 +100,7 @@ class StackPlacement:
   step_lower_bound: float
   probes: dict = dataclasses.field(repr=False, default_factory=dict, compare=False, hash=False)
   rejected: tuple = dataclasses.field(repr=False, default=(), compare=False, hash=False)
+  num_devices: int = 1
 
   @property
   def streamed_layers(self) -> int:
@@ -134,7 +137,8 @@ class StackPlacement:
     c, p = self.compiled, self.predicted
     return "\n".join([
         f"{self.resident_layers} of {self.num_layers} layers resident (state: {self.resident_state}), "
-        f"{self.streamed_layers} streamed; the rest's state: {self.rest_state}; compiled for {self.target}",
+        f"{self.streamed_layers} streamed; the rest's state: {self.rest_state}; compiled for {self.target}"
+        + (f" x {self.num_devices}, figures per device" if self.num_devices > 1 else ""),
         f"device: {_size(c.device)} of {_size(self.device_budget)} (predicted {_size(p.device)})",
         f"host:   {_size(c.host)} of {_size(self.host_budget)} (predicted {_size(p.host)})",
         f"bus per step: {_size(c.bus_in)} in, {_size(c.bus_out)} out",
@@ -171,6 +175,12 @@ def choose_placement(optimizer: Callable[..., Any], step: Callable[[Any], Callab
   is moved. Place the params with :meth:`StackPlacement.place` and build
   the optimizer with ``state_memory_kind=placement.state_memory_kind``.
 
+  Params split over a mesh of several devices (FSDP: ``NamedSharding`` s,
+  arrays or ``jax.ShapeDtypeStruct`` s) keep their specs in every part of
+  the split, and the step is compiled for that many GPUs, one partition
+  each; every figure and budget is then one device's, the host's memory
+  shared by the devices of this process.
+
   Args:
     optimizer: ``state_memory_kind -> optimizer``: builds the
       :func:`optax_hybrid.hybrid_adamw` (or any of the package's
@@ -188,7 +198,9 @@ def choose_placement(optimizer: Callable[..., Any], step: Callable[[Any], Callab
     device_bytes: the device's memory; None: the running GPU's
       (``memory_stats``), or the target's.
     host_bytes: the host's memory; None: this machine's (required with a
-      ``target`` when planning for another machine is meant: pass it).
+      ``target`` when planning for another machine is meant: pass it). On
+      a mesh, each device's budget is its share: ``host_bytes`` over the
+      mesh's devices of this process.
     budget_fraction: the share of each memory a placement may use.
     max_confirms: full-depth compiles tried, at most.
     probes: the :attr:`StackPlacement.probes` of an earlier choice for the
@@ -202,8 +214,9 @@ def choose_placement(optimizer: Callable[..., Any], step: Callable[[Any], Callab
   Raises:
     ValueError: ``params`` without a stack at ``stack``; an ``optimizer`` or
       ``step`` that does not build what is asked; a budget that is not a
-      positive number; no placement fits (the message says which memory is
-      short and by how much).
+      positive number; params (or a batch) on meshes of different sizes; no
+      placement fits (the message says which memory is short and by how
+      much).
 
   Example::
 
@@ -226,25 +239,27 @@ def choose_placement(optimizer: Callable[..., Any], step: Callable[[Any], Callab
     raise ValueError(f"{owner}: `budget_fraction` must be in (0, 1] (the share of each memory a placement may use); "
                      f"got {budget_fraction!r}.")
   target, device_bytes, host_bytes = _budgets(target, device_bytes, host_bytes, gpu_compile, owner)
-  device_budget, host_budget = budget_fraction * device_bytes, budget_fraction * host_bytes
+  num_devices, local_devices = _devices(params, batch, owner)
+  device_budget, host_budget = budget_fraction * device_bytes, budget_fraction * host_bytes / local_devices
   abstract = jax.tree.map(_abstract, params)
   abstract_batch = jax.tree.map(_abstract, batch)
-  rest = sum(np.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(_with_stack(abstract, stack, None)))
+  rest = sum(_shard_bytes(x) for x in jax.tree.leaves(_with_stack(abstract, stack, None)))
   if rest > device_budget:  # what stays on the device in any placement: no compile can make it fit
     raise ValueError(f"{owner}: device memory is short by at least {_size(rest - device_budget)}: the params outside "
                      f"params[{stack!r}] (the embedding and head among them) stay on the device and take "
-                     f"{_size(rest)}, against a budget of {_size(device_budget)} ({budget_fraction:.0%} of "
-                     f"`device_bytes`). Give more device memory, or stack more of the model.")
+                     f"{_size(rest)}{' per device' if num_devices > 1 else ''}, against a budget of "
+                     f"{_size(device_budget)} ({budget_fraction:.0%} of `device_bytes`). Give more device memory, "
+                     f"or stack more of the model.")
 
   def compile_at(depth: int, resident: int, resident_state: str) -> tuple[Cost, Any]:
     chosen = StackPlacement(stack, depth, resident, resident_state, _rest_state(resident, resident_state), target,
-                            device_budget, host_budget, None, None, 0.0, 0.0)
+                            device_budget, host_budget, None, None, 0.0, 0.0, num_devices=num_devices)
     tx = optimizer(chosen.state_memory_kind)
     if not hasattr(tx, "init"):
       raise ValueError(f"{owner}: `optimizer` must return an optimizer (with init); got {type(tx).__name__}.")
     p = chosen.place(_with_stack(abstract, stack, _rows(layers_abstract, depth)))
     report = gpu_compile.compile_for_gpu(step(tx), p, tx.init(p), abstract_batch, target=target,
-                                         donate_argnums=(0, 1))
+                                         num_devices=num_devices, donate_argnums=(0, 1))
     return Cost(report.device_peak_bytes, report.host_peak_bytes, report.to_device_bytes,
                 report.to_host_bytes), report
 
@@ -321,7 +336,7 @@ def choose_placement(optimizer: Callable[..., Any], step: Callable[[Any], Callab
                           host_budget, compiled, predicted,
                           float("nan") if estimate is None else estimate.seconds,
                           float("nan") if estimate is None else estimate.lower_bound,
-                          probes=probes, rejected=tuple(rejected))
+                          probes=probes, rejected=tuple(rejected), num_devices=num_devices)
   k, resident_state, compiled = rejected[0]
   raise ValueError(
       f"{owner}: {len(rejected)} placements predicted to fit did not when compiled at full depth ({length} "
@@ -359,8 +374,8 @@ def _stack_of(params: Any, stack: str, owner: str) -> Any:
 
 def _as_one_stack(split: stacks.SplitStack) -> Any:
   """A SplitStack's whole stack, abstract (only its shapes and dtypes are read)."""
-  return jax.tree.map(lambda r, s: jax.ShapeDtypeStruct((r.shape[0] + s.shape[0],) + tuple(r.shape[1:]), r.dtype),
-                      split.resident, split.streamed)
+  return jax.tree.map(lambda r, s: jax.ShapeDtypeStruct((r.shape[0] + s.shape[0],) + tuple(r.shape[1:]), r.dtype,
+                                                        sharding=_split_over_mesh(r)), split.resident, split.streamed)
 
 
 def _length(layers: Any, stack: str, owner: str) -> int:
@@ -383,19 +398,59 @@ def _with_stack(params: Any, stack: str, layers: Any) -> Any:
   return out
 
 
+def _split_over_mesh(x: Any) -> Any:
+  """``x``'s NamedSharding if it spans several devices, else None."""
+  sharding = getattr(x, "sharding", None)
+  if isinstance(sharding, jax.sharding.NamedSharding) and sharding.mesh.size > 1:
+    return sharding
+  return None
+
+
+def _devices(params: Any, batch: Any, owner: str) -> tuple[int, int]:
+  """The devices the params and batch are split over, and how many of them this process holds (they share its
+  host memory): ``(1, 1)`` on one device."""
+  meshes = {sharding.mesh.size: sharding.mesh for x in jax.tree.leaves((params, batch))
+            if (sharding := _split_over_mesh(x)) is not None}
+  if len(meshes) > 1:
+    raise ValueError(f"{owner}: the params and batch are split over meshes of {sorted(meshes)} devices; place them "
+                     f"all on one mesh (the devices the step runs on).")
+  if not meshes:
+    return 1, 1
+  mesh = meshes.popitem()[1]
+  devices = getattr(mesh, "devices", None)
+  if devices is None:  # an abstract mesh: its devices are not named, all taken to be this process's
+    return mesh.size, mesh.size
+  local = sum(d.process_index == jax.process_index() for d in np.asarray(devices).flat)
+  return mesh.size, max(local, 1)
+
+
+def _shard_bytes(x: Any) -> int:
+  """The bytes of one device's share of ``x``."""
+  sharding = getattr(x, "sharding", None)
+  shape = sharding.shard_shape(x.shape) if sharding is not None else x.shape
+  return int(np.prod(shape)) * x.dtype.itemsize
+
+
 def _abstract(x: Any) -> Any:
-  """An array's shape and dtype on the first device (the planner places the stack; the rest stays there)."""
+  """An array's shape and dtype on the device(s) it is split over (on the first device if on one): the planner
+  places the stack; the rest stays there."""
   if not hasattr(x, "dtype"):
     return x
+  sharding = _split_over_mesh(x)
+  if sharding is not None:
+    return jax.ShapeDtypeStruct(np.shape(x), x.dtype,
+                                sharding=sharding.with_memory_kind(placement_lib.DEVICE_KIND))
   return jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=jax.sharding.SingleDeviceSharding(jax.devices()[0]))
 
 
 def _abstract_stack(layers: Any) -> Any:
-  """The stack as ShapeDtypeStructs on a one-device mesh: JAX traces a NamedSharding in host memory as a host
-  value (a SingleDeviceSharding one as a device value), as it does real arrays placed there."""
+  """The stack as ShapeDtypeStructs on a mesh (its own, split; else one device's): JAX traces a NamedSharding in
+  host memory as a host value (a SingleDeviceSharding one as a device value), as it does real arrays placed
+  there."""
   mesh = jax.make_mesh((1,), ("one",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:1])
-  sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(), memory_kind=placement_lib.DEVICE_KIND)
-  return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), layers)
+  one = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(), memory_kind=placement_lib.DEVICE_KIND)
+  return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=(
+      one if (split := _split_over_mesh(a)) is None else split.with_memory_kind(placement_lib.DEVICE_KIND))), layers)
 
 
 def _rows(layers: Any, depth: int) -> Any:

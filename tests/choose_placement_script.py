@@ -1,6 +1,11 @@
 """optax_hybrid.choose_placement on a small decoder-like stack, checked by compiling every placement (tests/test_choose_placement.py).
 
     JAX_PLATFORMS=cpu python tests/choose_placement_script.py
+    JAX_PLATFORMS=cpu XLA_FLAGS=--xla_force_host_platform_device_count=8 python tests/choose_placement_script.py --fsdp 8
+
+With ``--fsdp N`` the params are split over a mesh of ``N`` devices as FSDP
+code splits them (each matrix on its width axis, the batch on its first) and
+every placement is compiled for ``N`` H200; only the choice is printed.
 
 Prints JSON lines: ``{"case": "choice", ...}`` (the budgets, the choice, and
 every placement of the stack compiled here, independently of the planner,
@@ -14,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -22,7 +28,9 @@ import numpy as np
 import optax_hybrid
 from optax_hybrid import gpu_compile
 
-L, D, V, B = 4, 128, 256, 32
+FSDP = int(sys.argv[sys.argv.index("--fsdp") + 1]) if "--fsdp" in sys.argv else 1
+# Split over a mesh, a width whose layer shards outweigh what each device holds besides them (the collectives').
+L, D, V, B = 4, 128 if FSDP == 1 else 1024, 256, 32
 S = jax.ShapeDtypeStruct
 
 
@@ -52,14 +60,24 @@ PARAMS = {"embed": S((V, D), jnp.bfloat16), "gain": S((D,), jnp.bfloat16), "head
 BATCH = S((B,), jnp.int32)
 ONE = jax.sharding.SingleDeviceSharding(jax.devices()[0])
 MESH = jax.make_mesh((1,), ("one",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:1])
+P = jax.sharding.PartitionSpec
+# Each matrix split on its width axis, as FSDP code splits it (the stacked layers keep axis 0 whole).
+FSDP_SPECS = {"embed": P(None, "fsdp"), "gain": P("fsdp"), "head": P("fsdp", None), "w": P(None, "fsdp", None),
+              "b": P(None, "fsdp")}
+if FSDP > 1:
+  MESH = jax.make_mesh((FSDP,), ("fsdp",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:FSDP])
+  on_mesh = lambda path, x: S(x.shape, x.dtype, sharding=jax.sharding.NamedSharding(MESH, FSDP_SPECS[path[-1].key]))
+  PARAMS = jax.tree_util.tree_map_with_path(on_mesh, PARAMS)
+  BATCH = S(BATCH.shape, BATCH.dtype, sharding=jax.sharding.NamedSharding(MESH, P("fsdp")))
 
 
 def placed_by_hand(resident: int, resident_state: str):
   """The params and state_memory_kind of ``resident`` layers on the device (their state in ``resident_state``), the
   rest in pinned_host: written here from split_stack, not from the planner."""
-  on = lambda kind: jax.sharding.NamedSharding(MESH, jax.sharding.PartitionSpec(), memory_kind=kind)
-  rest = {k: S(v.shape, v.dtype, sharding=ONE) for k, v in PARAMS.items() if k != "layers"}
-  stack = {k: S(v.shape, v.dtype, sharding=on("device")) for k, v in PARAMS["layers"].items()}
+  on = lambda key, kind: jax.sharding.NamedSharding(MESH, FSDP_SPECS[key] if FSDP > 1 else P(), memory_kind=kind)
+  rest = {k: S(v.shape, v.dtype, sharding=on(k, "device") if FSDP > 1 else ONE)
+          for k, v in PARAMS.items() if k != "layers"}
+  stack = {k: S(v.shape, v.dtype, sharding=on(k, "device")) for k, v in PARAMS["layers"].items()}
   split = optax_hybrid.split_stack(stack, resident)
   layers = split.resident if resident == L else split.streamed if resident == 0 else split
   state = resident_state if resident else "host_state"
@@ -71,9 +89,9 @@ def placed_by_hand(resident: int, resident_state: str):
 def compile_by_hand(resident: int, resident_state: str) -> dict:
   params, kinds = placed_by_hand(resident, resident_state)
   tx = tx_for(kinds)
-  report = gpu_compile.compile_for_gpu(step_for(tx), params, tx.init(params), S(BATCH.shape, BATCH.dtype,
-                                                                                 sharding=ONE),
-                                       target="h200", donate_argnums=(0, 1))
+  batch = BATCH if FSDP > 1 else S(BATCH.shape, BATCH.dtype, sharding=ONE)
+  report = gpu_compile.compile_for_gpu(step_for(tx), params, tx.init(params), batch, target="h200",
+                                       num_devices=FSDP, donate_argnums=(0, 1))
   return dict(resident=resident, state=resident_state, device=report.device_peak_bytes, host=report.host_peak_bytes,
               bus=report.to_device_bytes + report.to_host_bytes, stack_copies=stack_copies(report.hlo, resident))
 
@@ -96,6 +114,10 @@ def choice() -> dict:
   streamed = next(p for p in every if p["resident"] == 0)
   resident = next(p for p in every if p["resident"] == L and p["state"] == "host_state")
   device_budget = (streamed["device"] + resident["device"]) / 2
+  if FSDP > 1:  # per device the peaks are not ordered so: a budget just over the split of 2 resident (state in
+    # host memory) + 2 streamed, under every placement that moves fewer bytes
+    split = next(p for p in every if (p["resident"], p["state"]) == (2, "host_state"))
+    device_budget = (split["device"] + min(p["device"] for p in every if p["bus"] < split["bus"])) / 2
   chosen = optax_hybrid.choose_placement(tx_for, step_for, PARAMS, BATCH, target="h200",
                                          device_bytes=device_budget / 0.9, host_bytes=1e9)
   return chosen, dict(case="choice", device_budget=device_budget, every=every, resident=chosen.resident_layers,
@@ -107,7 +129,10 @@ def choice() -> dict:
                      for p, x in jax.tree_util.tree_leaves_with_path(chosen.place(PARAMS))},
               placed={jax.tree_util.keystr(p): x.sharding.memory_kind
                       for p, x in jax.tree_util.tree_leaves_with_path(chosen.place(PARAMS))
-                      if getattr(x, "sharding", None) is not None})
+                      if getattr(x, "sharding", None) is not None},
+              specs={jax.tree_util.keystr(p): str(getattr(x.sharding, "spec", None))
+                     for p, x in jax.tree_util.tree_leaves_with_path(chosen.place(PARAMS))},
+              host_budget=chosen.host_budget, num_devices=chosen.num_devices)
 
 
 def run(params, tx, steps: int = 3):
@@ -155,5 +180,7 @@ def errors() -> dict:
 if __name__ == "__main__":
   chosen, record = choice()
   print(json.dumps(record), flush=True)
+  if FSDP > 1:
+    sys.exit()
   print(json.dumps(numbers(chosen)), flush=True)
   print(json.dumps(errors()), flush=True)

@@ -17,7 +17,11 @@ asks the planner. What must hold:
   there and a budget that is not a number are refused, naming the argument;
 * every placement writes its resident layers' stepped rows into their stack
   in place: no copy of a whole resident stack (one per trip grew the step
-  with the square of the depth).
+  with the square of the depth);
+* params split over a mesh of 8 (FSDP) are planned per device: each part of
+  the split keeps its spec, the step is compiled for 8 GPUs, the host's
+  memory is shared by the 8, and the choice is the best of the placements
+  compiled by hand on that mesh.
 """
 
 from __future__ import annotations
@@ -44,6 +48,35 @@ def records() -> dict:
   if set(out) != {"choice", "numbers", "errors"}:
     raise RuntimeError(f"{SCRIPT} stopped after {sorted(out)}:\n{proc.stderr[-3000:]}")
   return out
+
+
+@functools.lru_cache(maxsize=None)
+def fsdp_choice() -> dict:
+  flags = without_fast_compiles(os.environ.get("XLA_FLAGS", "")) + " --xla_force_host_platform_device_count=8"
+  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=flags.strip())
+  proc = subprocess.run([sys.executable, SCRIPT, "--fsdp", "8"], env=env, capture_output=True, text=True, timeout=900)
+  out = [json.loads(l) for l in proc.stdout.splitlines() if l.startswith("{")]
+  if not out:
+    raise RuntimeError(f"{SCRIPT} --fsdp 8 printed nothing:\n{proc.stderr[-3000:]}")
+  return out[0]
+
+
+def test_a_stack_split_over_a_mesh_is_planned_per_device():
+  r = fsdp_choice()
+  assert r["num_devices"] == 8 and "x 8, figures per device" in r["table"]
+  assert r["host_budget"] == pytest.approx(0.9 * 1e9 / 8)  # one host memory, shared by the mesh's 8 devices
+  by_hand = {(p["resident"], p["state"]): p for p in r["every"]}
+  assert (r["resident"], r["state"]) == (2, "host_state"), "the budget sits just over this split"
+  mine = by_hand[r["resident"], r["state"]]
+  assert (r["device"], r["host"], r["bus"]) == (mine["device"], mine["host"], mine["bus"])
+  for p in r["every"]:
+    if p["bus"] < mine["bus"]:
+      assert p["device"] > r["device_budget"], p
+  for part, kind in (("resident", "device"), ("streamed", "pinned_host")):
+    assert r["specs"][f"['layers'].{part}['w']"] == "P(None, 'fsdp', None)"
+    assert r["specs"][f"['layers'].{part}['b']"] == "P(None, 'fsdp')"
+    assert r["placed"][f"['layers'].{part}['w']"] == kind
+  assert r["specs"]["['head']"] == "P('fsdp', None)" and r["placed"]["['head']"] == "device"
 
 
 def test_resident_layers_are_stepped_into_their_stack_in_place():
