@@ -172,15 +172,19 @@ FSDP_SPECS = {"embed": P(None, "fsdp"), "head": P("fsdp", None), "final_norm": P
 FSDP_STACKED = P(None, "fsdp", None)  # the other stacked (L, D, F) matrices
 
 
-def fsdp_placed(params: Any, batch: Any, mesh: Any, layers_memory_kind: str = "device") -> tuple[Any, Any]:
+def fsdp_placed(params: Any, batch: Any, mesh: Any, layers_memory_kind: str = "device",
+                specs: dict | None = None) -> tuple[Any, Any]:
   """The decoder's params and batch as ``ShapeDtypeStruct`` s split over ``mesh`` as FSDP code splits them.
 
-  Each matrix is split on its width axis (:data:`FSDP_SPECS`), the stacked
-  layers in ``layers_memory_kind``, the batch on its first axis.
+  Each matrix is split on its width axis (:data:`FSDP_SPECS`, updated by
+  ``specs``), the stacked layers in ``layers_memory_kind``, the batch on its
+  first axis.
   """
+  specs = {**FSDP_SPECS, **(specs or {})}
+
   def one(path, x):
     kind = layers_memory_kind if path[0].key == "layers" else "device"
-    spec = FSDP_SPECS.get(path[-1].key, FSDP_STACKED)
+    spec = specs.get(path[-1].key, FSDP_STACKED)
     return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=jax.sharding.NamedSharding(mesh, spec, memory_kind=kind))
   split = jax.sharding.NamedSharding(mesh, P("fsdp"))
   return (jax.tree_util.tree_map_with_path(one, params),

@@ -3,6 +3,7 @@
     JAX_PLATFORMS=cpu PYTHONPATH=. python benchmarks/placement_capacity.py [--host-memories "256 GB,device alone"]
     JAX_PLATFORMS=cpu PYTHONPATH=. python benchmarks/placement_capacity.py --speed-table [--sizes 7,13,...]
     JAX_PLATFORMS=cpu PYTHONPATH=. python benchmarks/placement_capacity.py --quick      # small widths (a test)
+    JAX_PLATFORMS=cpu PYTHONPATH=. python benchmarks/placement_capacity.py --devices 8 --host-memories "2 TB"
 
 Compile-time figures (XLA:GPU's plan for an H200, compiled on a CPU machine, as
 ``benchmarks/gpu_memory.py --capacity-table``): the decoder of that table
@@ -34,6 +35,14 @@ the device or in host memory), the most resident layers that fit both budgets
 is that way's fewest bus bytes), found by bisection; printed with the chosen
 placement's bus bytes over the best's.
 
+``--devices 8``: one DGX H200 node, the model split over its 8 GPUs as FSDP
+code splits it (``models.fsdp_placed``: each matrix on its width axis, the
+batch of 8 x 2048 on its first, the activations between layers constrained to
+it), the host memory shared by the 8; figures per GPU. The baseline,
+``optax.adamw`` on the devices alone, is given its best split of the down
+projection ``(F, D)`` (on ``D`` as the other matrices, or on ``F``), each
+searched here.
+
 Prints a markdown table: per host memory, layers, params, the ratio to the
 baseline, the placement (resident layers and their state, streamed layers),
 device and host GB as compiled, bus bytes per weight each way per step, and the
@@ -48,6 +57,12 @@ import os
 import sys
 import time
 
+if "--devices" in sys.argv:  # traced on as many CPU devices: set before JAX starts
+  _devices = int(sys.argv[sys.argv.index("--devices") + 1])
+  if _devices > 1 and "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                               f" --xla_force_host_platform_device_count={_devices}").strip()
+
 import jax
 import jax.numpy as jnp
 
@@ -58,7 +73,7 @@ import models  # noqa: E402
 import optax_hybrid  # noqa: E402
 
 GB = 1e9
-HOST_MEMORIES = {"128 GiB": 128 * 2**30, "256 GB": 256e9, "1 TB": 1e12, "device alone": 1.0}
+HOST_MEMORIES = {"128 GiB": 128 * 2**30, "256 GB": 256e9, "1 TB": 1e12, "2 TB": 2e12, "device alone": 1.0}
 LLAMA = dict(width=4096, heads=32, ffn=11008, vocab=32000, seq=2048, batch=1)
 QUICK = dict(width=256, heads=4, ffn=688, vocab=1000, seq=64, batch=1)
 
@@ -68,11 +83,22 @@ def optimizer(kinds):
                                    moment_format="8bit")
 
 
-def model_at(layers: int, sizes: dict):
-  cfg = models.LlamaConfig(layers=layers, **sizes)
+def fsdp_mesh(devices: int):
+  return jax.make_mesh((devices,), ("fsdp",), axis_types=(jax.sharding.AxisType.Auto,),
+                       devices=jax.devices()[:devices])
+
+
+def model_at(layers: int, sizes: dict, devices: int = 1):
+  """The decoder's params, batch and ``optimizer -> train step``; on ``devices`` > 1 split over them (FSDP)."""
+  cfg = models.LlamaConfig(layers=layers, **dict(sizes, batch=sizes["batch"] * devices))
   params = models.llama_params(cfg, jnp.bfloat16, "device")
   batch = models._tokens(cfg.batch, cfg.seq)
-  step = lambda tx: optax_hybrid.step_in_backward(tx, *models.llama_parts(cfg))
+  activations = None
+  if devices > 1:
+    mesh = fsdp_mesh(devices)
+    params, batch = models.fsdp_placed(params, batch, mesh)
+    activations = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("fsdp"))
+  step = lambda tx: models.donation_ordered(optax_hybrid.step_in_backward(tx, *models.llama_parts(cfg, activations)))
   return params, batch, step
 
 
@@ -80,8 +106,9 @@ def num_params(tree) -> int:
   return sum(math.prod(x.shape) for x in jax.tree.leaves(tree))
 
 
-def choose(layers: int, sizes: dict, host_bytes: float, target: str, probes: dict, device_bytes=None):
-  params, batch, step = model_at(layers, sizes)
+def choose(layers: int, sizes: dict, host_bytes: float, target: str, probes: dict, device_bytes=None,
+           devices: int = 1):
+  params, batch, step = model_at(layers, sizes, devices)
   try:
     chosen = optax_hybrid.choose_placement(optimizer, step, params, batch, target=target, host_bytes=host_bytes,
                                            device_bytes=device_bytes, probes=probes)
@@ -94,21 +121,22 @@ def choose(layers: int, sizes: dict, host_bytes: float, target: str, probes: dic
   return dict(layers=layers, params=num_params(params), chosen=chosen)
 
 
-def largest(sizes: dict, host_bytes: float, target: str, probes: dict, first: int, device_bytes=None) -> dict:
+def largest(sizes: dict, host_bytes: float, target: str, probes: dict, first: int, device_bytes=None,
+            devices: int = 1) -> dict:
   """The deepest model the planner places: doubling from ``first``, then bisecting."""
-  best = choose(first, sizes, host_bytes, target, probes, device_bytes)
+  best = choose(first, sizes, host_bytes, target, probes, device_bytes, devices)
   if best is None:
     raise SystemExit(f"{first} layers do not fit: start lower (--first)")
   lo, hi = first, None
   while hi is None:
-    r = choose(lo * 2, sizes, host_bytes, target, probes, device_bytes)
+    r = choose(lo * 2, sizes, host_bytes, target, probes, device_bytes, devices)
     if r is None:
       hi = lo * 2
     else:
       lo, best = lo * 2, r
   while hi - lo > 1:
     mid = (lo + hi) // 2
-    r = choose(mid, sizes, host_bytes, target, probes, device_bytes)
+    r = choose(mid, sizes, host_bytes, target, probes, device_bytes, devices)
     if r is None:
       hi = mid
     else:
@@ -123,6 +151,49 @@ def baseline(target: str, quick: bool) -> int | None:
   import gpu_memory
   row = gpu_memory.largest_within("optax.adamw bf16 + fp32 mu", target, gpu_memory.LIMIT * 256e9, {}, 8, 16)
   return row["params"]
+
+
+def node_baseline(target: str, devices: int) -> dict:
+  """``optax.adamw`` (bf16 params, fp32 mu) on ``devices`` GPUs alone, FSDP, with the down projection ``(F, D)``
+  split on ``D`` or on ``F``: per split, the deepest model whose step fits 0.9 of each GPU's memory (the line
+  through 8 and 16 layers, then checked a layer at a time). Returns the better split's ``{"split", "layers",
+  "params"}``."""
+  import optax
+  from optax_hybrid import gpu_compile
+  import gpu_memory
+  limit = 0.9 * gpu_compile.target_device_memory_bytes(target)
+  best = None
+  for split, spec in (("D", jax.sharding.PartitionSpec(None, None, "fsdp")),
+                      ("F", jax.sharding.PartitionSpec(None, "fsdp", None))):
+    peaks = {}
+
+    def peak(layers):
+      if layers not in peaks:
+        cfg = models.LlamaConfig(layers=layers, **dict(LLAMA, batch=devices))
+        mesh = fsdp_mesh(devices)
+        params, batch = models.fsdp_placed(models.llama_params(cfg, jnp.bfloat16, "device"),
+                                           models._tokens(cfg.batch, cfg.seq), mesh, specs={"w_down": spec})
+        activations = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("fsdp"))
+        tx = optax.adamw(1e-4, weight_decay=0.1, mu_dtype=jnp.float32)
+        step = gpu_memory.train_step_of(tx, lambda p, b: models.llama_loss(cfg, p, b, activations=activations))
+        peaks[layers] = gpu_compile.compile_for_gpu(step, params, gpu_memory.abstract_state(tx, params), batch,
+                                                    target=target, num_devices=devices,
+                                                    donate_argnums=(0, 1)).device_peak_bytes
+        print(f"    optax.adamw, w_down split on {split}, {layers} layers: {peaks[layers] / GB:.1f} GB",
+              file=sys.stderr, flush=True)
+      return peaks[layers]
+
+    depth = int(8 + (limit - peak(8)) * 8 / (peak(16) - peak(8)))
+    while peak(depth) > limit:
+      depth -= 1
+    while peak(depth + 1) <= limit:
+      depth += 1
+    params = num_params(model_at(depth, LLAMA)[0])
+    print(f"    optax.adamw, w_down split on {split}: {depth} layers, {params / 1e9:.2f} B", file=sys.stderr,
+          flush=True)
+    if best is None or params > best["params"]:
+      best = dict(split=split, layers=depth, params=params)
+  return best
 
 
 PEAK_FLOPS = 989e12  # H200 SXM, dense bf16
@@ -251,6 +322,7 @@ def main(argv=None):
   parser.add_argument("--sizes", default="7,13,20,33,45,57,64,85", help="--speed-table: billions of params")
   parser.add_argument("--check-split", metavar="MEMORY", help="the choice against a search of the split, at --layers")
   parser.add_argument("--layers", type=int, default=435, help="--check-split: the model's depth")
+  parser.add_argument("--devices", type=int, default=1, help="GPUs of one node the model is split over (FSDP)")
   args = parser.parse_args(argv)
   if args.check_split:
     return check_split(args)
@@ -263,11 +335,23 @@ def main(argv=None):
   for memory in args.host_memories.split(","):
     host = 2e8 if args.quick and memory != "device alone" else HOST_MEMORIES[memory]
     print(f"  {memory}:", file=sys.stderr, flush=True)
-    rows.append((memory, largest(sizes, host, args.target, probes, 4 if args.quick else args.first, device_bytes)))
-  base = None if args.no_baseline else baseline(args.target, args.quick)
-  print(f"\nThe largest Llama-style decoder ({', '.join(f'{k} {v}' for k, v in sizes.items())}) whose placement "
-        f"optax_hybrid.choose_placement finds for one {args.target.upper()} "
-        f"({'64 MB' if args.quick else 'its memory'}) and each host memory, both used up to 90%; "
+    rows.append((memory, largest(sizes, host, args.target, probes, 4 if args.quick else args.first, device_bytes,
+                                 args.devices)))
+  node = None
+  if args.no_baseline:
+    base = None
+  elif args.devices > 1:
+    node = node_baseline(args.target, args.devices)
+    base = node["params"]
+  else:
+    base = baseline(args.target, args.quick)
+  where = (f"one {args.target.upper()} ({'64 MB' if args.quick else 'its memory'}; batch 1 x {sizes['seq']}) and "
+           f"each host memory" if
+           args.devices == 1 else
+           f"one node of {args.devices} {args.target.upper()} (FSDP over the {args.devices}, batch "
+           f"{args.devices} x {sizes['seq']}; figures per GPU) and each host memory, shared by the {args.devices}")
+  print(f"\nThe largest Llama-style decoder ({', '.join(f'{k} {v}' for k, v in sizes.items() if k != 'batch')}) "
+        f"whose placement optax_hybrid.choose_placement finds for {where}, both used up to 90%; "
         f"step_in_backward, 8-bit moments, master='stochastic'; compile-time figures, jax {jax.__version__}, "
         f"{time.time() - started:.0f} s:\n")
   print("| host memory | layers | params | x optax.adamw bf16 + fp32 mu | resident (state) / streamed layers | "
@@ -278,9 +362,12 @@ def main(argv=None):
     ratio = f"{r['params'] / base:.2f}" if base else "-"
     print(f"| {memory} | {r['layers']} | {r['params'] / 1e9:.2f} B | {ratio} | {c.resident_layers} "
           f"({c.resident_state}) / {c.streamed_layers} | {c.compiled.device / GB:.1f} | {c.compiled.host / GB:.1f} | "
-          f"{c.compiled.bus_in / r['params']:.2f} / {c.compiled.bus_out / r['params']:.2f} | "
-          f"{c.step_seconds:.3f} ({c.step_lower_bound:.3f}) |")
-  if base:
+          f"{c.compiled.bus_in * args.devices / r['params']:.2f} / "
+          f"{c.compiled.bus_out * args.devices / r['params']:.2f} | {c.step_seconds:.3f} ({c.step_lower_bound:.3f}) |")
+  if node:
+    print(f"\noptax.adamw bf16 + fp32 mu on the {args.devices} GPUs alone, FSDP, the down projection split on "
+          f"{node['split']} (its better split): {node['layers']} layers, {base / 1e9:.2f} B params (this run).")
+  elif base:
     print(f"\noptax.adamw bf16 + fp32 mu, device alone: {base / 1e9:.2f} B params "
           f"(benchmarks/gpu_memory.py's search, this run).")
   return rows

@@ -46,8 +46,8 @@ H100/H200 without a GPU and estimates its step time.
 
 import warnings as _warnings
 
-from optax_hybrid import (base, checkpoint, disk, flat_params, masters, options, plan, planner, recipe, report, rules,
-                          stacks, tiers)
+from optax_hybrid import (base, checkpoint, disk, flat_params, masters, moments, options, plan, planner, recipe, report,
+                          rules, stacks, tiers)
 from optax_hybrid.flat_params import FlatParams, flatten_params
 from optax_hybrid.placement import (
     STATE_MEMORY_KINDS,

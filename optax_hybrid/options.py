@@ -24,13 +24,13 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optax_hybrid import _checks, _deprecations, disk, masters, placement, tiers as tiers_lib
+from optax_hybrid import _checks, _deprecations, disk, masters, moments as moments_lib, placement, tiers as tiers_lib
 from optax_hybrid.kernels import check_kernel_name
 
-QUANTIZED_8BIT = "8bit"
 #: ``moment_format`` values: a storage dtype for every field a rule keeps, or
-#: 8-bit block-wise codes and scales (:mod:`optax_hybrid.kernels.quantized`).
-MOMENT_FORMATS = ("float32", "bfloat16", "float16", QUANTIZED_8BIT)
+#: the name of a format that encodes them (:mod:`optax_hybrid.moments`: 8-bit
+#: block-wise codes and scales).
+MOMENT_FORMATS = ("float32", "bfloat16", "float16", *moments_lib.BY_NAME)
 #: ``state_layout`` values: one array per param leaf in each params-shaped
 #: field (the Optax contract), or every leaf's in a few flat buffers
 #: (:mod:`optax_hybrid.packing`).
@@ -141,9 +141,10 @@ class Storage:
     return masters.resolve(self.master, self.master_dtype, "Storage")
 
   @property
-  def quantized(self) -> bool:
-    """8-bit block-wise storage (for the leaves that take it: :func:`quantized.quantizable`)."""
-    return self.moment_format == QUANTIZED_8BIT
+  def moments(self) -> moments_lib.MomentFormat:
+    """The :class:`~optax_hybrid.moments.MomentFormat` asked for by ``moment_format`` (for the leaves it applies
+    to; the others keep :data:`~optax_hybrid.moments.AS_STORED`)."""
+    return moments_lib.resolve(self.moment_format)
 
 
 @dataclasses.dataclass(frozen=True)

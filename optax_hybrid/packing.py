@@ -41,7 +41,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from optax_hybrid import placement, tiers as tiers_lib
-from optax_hybrid.kernels import quantized
 from optax_hybrid.kernels.packed import PackedSlice, is_packed
 from optax_hybrid.plan import Plan, keeps
 
@@ -86,14 +85,17 @@ class Layout:
     return tuple(name for name, _ in self.pools)
 
 
-def _dtype(plan: Plan, i: int, attribute: str) -> np.dtype:
-  """The dtype leaf ``i`` keeps in ``attribute``: a field's storage (8-bit codes), scales, or master."""
+def _array(plan: Plan, i: int, attribute: str, shape: tuple) -> tuple[tuple, np.dtype]:
+  """The shape and dtype of what leaf ``i`` (of ``shape``) keeps in ``attribute``: an array of a field in its
+  moment format (8-bit codes or scales), or its master."""
   lp = plan.leaves[i]
   if attribute == "master":
-    return np.dtype(lp.master_dtype)
-  if attribute.endswith("_scales"):
-    return np.dtype(quantized.SCALE_DTYPE)
-  return np.dtype(quantized.CODE_DTYPE) if lp.quantized else np.dtype(lp.dtypes[plan.field_names.index(attribute)])
+    return shape, np.dtype(lp.master_dtype)
+  for k, name in enumerate(plan.field_names):
+    for suffix, array_shape, dtype in lp.moments.arrays(shape, lp.dtypes[k]):
+      if name + suffix == attribute:
+        return tuple(array_shape), np.dtype(dtype)
+  raise ValueError(f"{plan.owner}: {lp.path} keeps no {attribute!r}")  # keeps() says which it keeps
 
 
 def _pool_key(dtype: np.dtype, lp: Any) -> str:
@@ -129,9 +131,8 @@ def make_layout(plan: Plan, params: Any, attributes: Sequence[str]) -> Layout:
       if not keeps(lp, attribute):
         leaf_slots.append(None)
         continue
-      dtype = _dtype(plan, i, attribute)
+      shape, dtype = _array(plan, i, attribute, tuple(np.shape(p)))
       key = _pool_key(dtype, lp)
-      shape = quantized.scales_shape(np.shape(p)) if attribute.endswith("_scales") else tuple(np.shape(p))
       leaf_slots.append(Slot(key, sizes.get(key, 0), tuple(shape)))
       sizes[key], dtypes[key] = sizes.get(key, 0) + math.prod(shape), dtype.name
     pools.append((attribute, tuple((k, dtypes[k], n) for k, n in sizes.items())))
@@ -188,12 +189,8 @@ def leaf_state(state: Any, plan: Plan) -> tuple[list[tuple], list[Any]]:
     values[attribute] = [None if slot is None else
                          PackedSlice(pools[slot.pool], (attribute, slot.pool), slot.offset, slot.shape)
                          for slot in plan.layout.slots_of(attribute)]
-  fields = []
-  for i, lp in enumerate(plan.leaves):
-    if lp.quantized:
-      fields.append(tuple(quantized.QuantizedMoment(values[n][i], values[n + "_scales"][i]) for n in names))
-    else:
-      fields.append(tuple(values[n][i] for n in names))
+  fields = [tuple(lp.moments.stored([values[n + suffix][i] for suffix in ("",) + lp.moments.suffixes])
+                  for n in names) for i, lp in enumerate(plan.leaves)]
   return fields, values.get("master", [None] * len(plan.leaves))
 
 

@@ -20,9 +20,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from optax_hybrid import _compat, disk, masters, packing, placement
+from optax_hybrid import _compat, disk, masters, moments, packing, placement
 from optax_hybrid._compat import DEVICE, HOST
-from optax_hybrid.kernels import LeafFacts, LeafOperands, LeafResult, quantized, reference
+from optax_hybrid.kernels import LeafFacts, LeafOperands, LeafResult, reference
 from optax_hybrid.kernels.contract import Step, per_platform
 from optax_hybrid.plan import STREAM_WAITS, LeafPlan, Plan, inexact_leaf_error
 
@@ -136,14 +136,15 @@ def _warn_if_moved(plan: Plan, grad_leaves: list) -> None:
         "jax.set_mesh(mesh).", stacklevel=4)
 
 
-def _field_entries(state: Any, treedef: Any, plan: Plan) -> list[tuple]:
-  """Per field of the rule, its entries and its scales' (None without 8-bit storage), one per leaf."""
+def _field_entries(state: Any, treedef: Any, plan: Plan) -> list[dict]:
+  """Per field of the rule, ``{suffix: its attribute's entries, one per leaf}`` (None for an attribute the state
+  does not keep: the scales without 8-bit storage), the field's own attribute at ``""``."""
   entries = []
   try:
     for name in plan.field_names:
-      scales = getattr(state, name + "_scales")
-      entries.append((treedef.flatten_up_to(getattr(state, name)),
-                      None if scales is None else treedef.flatten_up_to(scales)))
+      trees = {suffix: getattr(state, name + suffix) for suffix in ("",) + moments.SUFFIXES}
+      entries.append({suffix: None if tree is None else treedef.flatten_up_to(tree)
+                      for suffix, tree in trees.items()})
   except (ValueError, TypeError) as e:
     name = plan.field_names[0]
     raise ValueError(
@@ -153,19 +154,18 @@ def _field_entries(state: Any, treedef: Any, plan: Plan) -> list[tuple]:
   return entries
 
 
-def _leaf_values(lp: LeafPlan, i: int, names: tuple, entries: list[tuple], owner: str) -> tuple:
-  """Leaf ``i``'s field values as the step reads them: its entries, 8-bit codes and scales, or (disk) its files."""
+def _leaf_values(lp: LeafPlan, i: int, names: tuple, entries: list[dict], owner: str) -> tuple:
+  """Leaf ``i``'s field values as the step reads them, in its moment format: its entries or (disk) its files."""
+  suffixes = ("",) + lp.moments.suffixes
   if lp.on_disk:
     files = dict(lp.files)
-    return tuple(quantized.QuantizedMoment(files[name], files[name + "_scales"]) if lp.quantized else files[name]
-                 for name in names)
-  if not lp.quantized:
-    return tuple(field[i] for field, _ in entries)
-  for name, (_, scales) in zip(names, entries):
-    if scales is None:
-      raise ValueError(f"{owner}: the state keeps 8-bit values for {lp.path} but has no scales for them "
-                       f"(state.{name}_scales); make the state with this optimizer's init.")
-  return tuple(quantized.QuantizedMoment(field[i], scales[i]) for field, scales in entries)
+    return tuple(lp.moments.stored([files[name + suffix] for suffix in suffixes]) for name in names)
+  for name, field in zip(names, entries):
+    for suffix in lp.moments.suffixes:
+      if field[suffix] is None:
+        raise ValueError(f"{owner}: the state keeps {lp.moments.name} values for {lp.path} but has no "
+                         f"`state.{name}{suffix}` for them; make the state with this optimizer's init.")
+  return tuple(lp.moments.stored([field[suffix][i] for suffix in suffixes]) for field in entries)
 
 
 def _param_leaves(params: Any, treedef: Any, plan: Plan, write_params: bool) -> list:
@@ -203,9 +203,7 @@ def _check_gradient(lp: LeafPlan, plan: Plan, g: Any, values: tuple, param: Any,
   dtype = g.dtype if hasattr(g, "dtype") else jnp.result_type(g)
   if not jnp.issubdtype(dtype, jnp.inexact):
     raise inexact_leaf_error("gradient", lp.path, dtype, owner)
-  like = values[0] if values else param
-  if isinstance(like, quantized.QuantizedMoment):
-    like = like.codes
+  like = lp.moments.arrays_of(values[0])[0] if values else param  # the field's own array: shaped like the leaf
   if like is not None and np.shape(g) != tuple(like.shape):
     raise ValueError(f"{owner}: the gradient at {lp.path} has shape {np.shape(g)} but its optimizer state has "
                      f"shape {tuple(like.shape)}.")
@@ -221,25 +219,18 @@ def _check_gradient(lp: LeafPlan, plan: Plan, g: Any, values: tuple, param: Any,
                     "complex params need complex gradients and real params real ones.")
 
 
-def _files(value: Any) -> list:
-  """The :class:`disk.DiskMoment` s of one disk field: one file, or codes and scales for 8-bit storage."""
-  return list(value) if isinstance(value, quantized.QuantizedMoment) else [value]
-
-
-def _like(value: Any, arrays: list) -> Any:
-  """Arrays read for ``value``'s files, in its format (the inverse of :func:`_files`)."""
-  return quantized.QuantizedMoment(*arrays) if isinstance(value, quantized.QuantizedMoment) else arrays[0]
-
-
 def load_disk_state(leaves: list[LeafIn], plan: Plan, after: jax.Array) -> tuple[list[LeafIn], list]:
-  """Reads the disk tier's state (one callback, ordered after ``after``). Returns the leaves and what was read."""
-  stored = [(i, leaves[i].state) for i, lp in enumerate(plan.leaves) if lp.on_disk and leaves[i].state]
+  """Reads the disk tier's state (one callback, ordered after ``after``). Returns the leaves and what was read:
+  ``(leaf index, its fields' files in its moment format, the format)``."""
+  stored = [(i, leaves[i].state, lp.moments) for i, lp in enumerate(plan.leaves) if lp.on_disk and leaves[i].state]
   if not stored:
     return leaves, []
-  values = iter(disk.load_in_step([f for _, state in stored for x in state for f in _files(x)], after=after))
+  files = [f for _, state, form in stored for x in state for f in form.arrays_of(x)]
+  values = iter(disk.load_in_step(files, after=after))
   leaves = list(leaves)
-  for i, state in stored:
-    leaves[i] = leaves[i]._replace(state=tuple(_like(x, [next(values) for _ in _files(x)]) for x in state))
+  for i, state, form in stored:
+    leaves[i] = leaves[i]._replace(state=tuple(form.stored([next(values) for _ in form.arrays_of(x)])
+                                               for x in state))
   return leaves, stored
 
 
@@ -251,8 +242,8 @@ def store_disk_state(outs: list[LeafOut], stored: list) -> jax.Array | None:
   """
   if not stored:
     return None
-  files = [f for _, state in stored for x in state for f in _files(x)]
-  values = [a for i, _ in stored for x in outs[i].state for a in _files(x)]
+  files = [f for _, state, form in stored for x in state for f in form.arrays_of(x)]
+  values = [a for i, _, form in stored for x in outs[i].state for a in form.arrays_of(x)]
   return disk.store_in_step(files, values)
 
 

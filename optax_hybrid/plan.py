@@ -35,8 +35,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from optax_hybrid import masters, placement, stacks, tiers as tiers_lib
-from optax_hybrid.kernels import kernels_for, quantized
+from optax_hybrid import masters, moments as moments_lib, placement, stacks, tiers as tiers_lib
+from optax_hybrid.kernels import kernels_for
 from optax_hybrid.options import Options
 
 # The state bytes a stage of streamed leaves gathers before the next stage
@@ -72,10 +72,11 @@ class LeafPlan:
       read against when a checkpoint is restored across formats).
     state_kind: the memory kind of the in-memory state: the rule's fields,
       and the master copy (for the disk tier, whose fields are files, the master).
-    dtypes: the storage dtype of each field of the rule (:attr:`Plan.fields`);
-      for 8-bit storage, the dtype of their values (float32).
-    quantized: the fields are stored 8-bit block-wise (codes and per-block
-      scales: :mod:`optax_hybrid.kernels.quantized`).
+    dtypes: the dtype of each field's values (:attr:`Plan.fields`): the
+      storage dtype, or what ``moments`` encodes (float32 for 8-bit).
+    moments: how the fields are stored (:class:`optax_hybrid.moments.MomentFormat`):
+      :data:`~optax_hybrid.moments.AS_STORED` (the values, in ``dtypes``) or
+      the format asked for, where it applies to the leaf.
     master: the leaf's master format (:class:`optax_hybrid.masters.MasterFormat`):
       :data:`~optax_hybrid.masters.NO_MASTER` when it has none (no ``master=``,
       or a param the format does not apply to).
@@ -141,7 +142,7 @@ class LeafPlan:
   gather_to: Any = None
   stage: int = 0
   slice_rows: int = 0
-  quantized: bool = False
+  moments: Any = moments_lib.AS_STORED
   row_axes: int | None = None
   draws_as: tuple = ()
   files: tuple = ()
@@ -294,7 +295,8 @@ def keeps(leaf: LeafPlan, field: str) -> bool:
     return leaf.master_dtype is not None  # a master format that keeps something
   if leaf.on_disk:
     return False
-  return leaf.quantized or not field.endswith("_scales")
+  suffix = next((s for s in moments_lib.SUFFIXES if field.endswith(s)), None)
+  return suffix is None or suffix in leaf.moments.suffixes
 
 
 def make_plan(params: Any, rule: Any, options: Options) -> Plan:
@@ -346,15 +348,15 @@ def make_plan(params: Any, rule: Any, options: Options) -> Plan:
     state_sharding = zero1 or (None if placed is placement.UNSEEN else placed)
     leaf_master = master if master.applies_to(p.dtype) else masters.NO_MASTER
     row_axes = None if placed is None else tiers_lib.whole_leading_axes(state_sharding or placed, np.ndim(p))
-    quantize = storage.quantized and bool(rule.fields) and quantized.quantizable(
-        stored_shape, p.dtype, _last_axis_shards(state_sharding, np.ndim(p)))
+    stored_as = storage.moments if bool(rule.fields) and storage.moments.applies_to(
+        stored_shape, p.dtype, _last_axis_shards(state_sharding, np.ndim(p))) else moments_lib.AS_STORED
     leaves.append(LeafPlan(
         path=path, tier=tier, param_kind=placement.param_memory_kind(p),
         state_kind=kind, dtypes=field_dtypes(p.dtype, rule, storage, key_path, owner),
         master=leaf_master, master_dtype=leaf_master.stored_dtype(p.dtype),
         param_dtype=np.dtype(p.dtype),
         decay=decay, state_sharding=state_sharding, gather_to=None if zero1 is None else placed,
-        quantized=quantize, row_axes=row_axes,
+        moments=stored_as, row_axes=row_axes,
         draws_as=() if whole_path is None else (whole_path, first_row * int(np.prod(np.shape(p)[1:])))))
   shapes = [np.shape(p) for _, p in with_paths]
   leaves = assign_slices(assign_stages(leaves, shapes, STREAM_STAGE_BYTES), shapes, STREAM_STAGE_BYTES)
@@ -372,9 +374,7 @@ def state_bytes(leaf: LeafPlan, shape: Sequence[int]) -> int:
   """Bytes of a leaf's state that a step moves: every field of the rule, and what its master keeps, if any."""
   n = int(np.prod(shape))
   master = 0 if leaf.master_dtype is None else n * np.dtype(leaf.master_dtype).itemsize
-  if leaf.quantized:
-    return len(leaf.dtypes) * quantized.bytes_per_moment(shape) + master
-  return n * sum(np.dtype(d).itemsize for d in leaf.dtypes) + master
+  return sum(leaf.moments.nbytes(shape, d) for d in leaf.dtypes) + master
 
 
 def field_dtypes(param_dtype: Any, rule: Any, storage: Any, path: Any, owner: str) -> tuple:
@@ -391,7 +391,7 @@ def field_dtypes(param_dtype: Any, rule: Any, storage: Any, path: Any, owner: st
   out = []
   for field, asked in zip(rule.fields, rule.field_dtypes):
     if storage.moment_format is not None:
-      asked = np.dtype(jnp.float32 if storage.quantized else storage.moment_format)
+      asked = np.dtype(storage.moments.value_dtype or storage.moment_format)
       if complex_param and not field.real:
         asked = jnp.result_type(asked, jnp.complex64)
     dtype = np.dtype((real_param_dtype if field.real else param_dtype) if asked is None else asked)

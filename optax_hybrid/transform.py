@@ -19,9 +19,9 @@ import numpy as np
 import optax
 from optax._src import numerics
 
-from optax_hybrid import _commit_check, _compat, disk, packing, pipeline, placement
+from optax_hybrid import _commit_check, _compat, disk, moments as moments_lib, packing, pipeline, placement
 from optax_hybrid.base import STATE_TYPES, UpdateRule, is_state
-from optax_hybrid.kernels import packed, quantized
+from optax_hybrid.kernels import packed
 from optax_hybrid.options import OPTION_NAMES, Options, check_learning_rate, make_options, placement_words
 from optax_hybrid.plan import LeafPlan, Plan, make_plan
 
@@ -255,9 +255,7 @@ def _state_of_placeholder(placeholder: Any, rule: UpdateRule, o: Options) -> Any
   count = jnp.zeros([], jnp.int32)
   if o.storage.state_layout == "packed":
     placeholder = _PACKED
-  fields = {f.name: placeholder for f in rule.fields}
-  if o.storage.quantized:
-    fields.update({f.name + "_scales": placeholder for f in rule.fields})
+  fields = {f.name + suffix: placeholder for suffix in ("",) + o.storage.moments.suffixes for f in rule.fields}
   return _make_state(rule, count=count, skipped=count, plan=_NO_PLAN,
                      master=placeholder if _keeps_masters(o) else None, **fields)
 
@@ -265,6 +263,11 @@ def _state_of_placeholder(placeholder: Any, rule: UpdateRule, o: Options) -> Any
 def _keeps_masters(o: Options) -> bool:
   """Whether the state has a ``master`` tree: a master format that keeps something (not ``"stochastic"``)."""
   return o.storage.master_format.keeps
+
+
+# The dtype of the empty entry a leaf has where its moment format keeps no array (a state attribute another format
+# keeps, such as 8-bit scales).
+_UNKEPT_DTYPE = np.dtype(np.float32)
 
 
 def _leaf_state(param: Any, lp: LeafPlan, plan: Plan, initial: tuple, with_master: bool) -> dict:
@@ -292,18 +295,15 @@ def _leaf_state(param: Any, lp: LeafPlan, plan: Plan, initial: tuple, with_maste
   out = {}
   for field, dtype, value in zip(plan.fields, lp.dtypes, initial):
     fill = None if not _compat.is_tracer(value) and np.all(np.asarray(value) == 0) else value
-    if lp.on_disk:  # the values are the plan's files
-      out[field.name] = empty(quantized.CODE_DTYPE if lp.quantized else dtype)
-      out[field.name + "_scales"] = empty(quantized.SCALE_DTYPE)
-    elif lp.quantized:  # zero codes with zero scales are zeros
-      q = None if fill is None else quantized.quantize(jnp.full(shape, fill, jnp.float32), signed=field.signed)
-      out[field.name] = placed(quantized.CODE_DTYPE, None if q is None else q.codes)
-      out[field.name + "_scales"] = placed(quantized.SCALE_DTYPE, None if q is None else q.scales,
-                                           shape=quantized.scales_shape(shape))
-    else:
-      out[field.name] = placed(dtype, fill)
-      # A donated step must not get one buffer twice: an empty entry per scales field.
-      out[field.name + "_scales"] = empty(quantized.SCALE_DTYPE)
+    arrays = lp.moments.arrays(shape, dtype)
+    contents = [None] * len(arrays) if lp.on_disk else lp.moments.initial(shape, dtype, fill, signed=field.signed)
+    for (suffix, array_shape, array_dtype), content in zip(arrays, contents):
+      # The disk tier's values are the plan's files: an empty entry in the state.
+      out[field.name + suffix] = (empty(array_dtype) if lp.on_disk else
+                                  placed(array_dtype, content, shape=array_shape))
+    # A donated step must not get one buffer twice: an empty entry for each attribute the format does not keep.
+    for suffix in moments_lib.SUFFIXES:
+      out.setdefault(field.name + suffix, empty(_UNKEPT_DTYPE))
   if lp.master_dtype is not None:  # what the master format keeps: a copy of the param, or zeros
     start = lp.master.initial(param)  # None: zeros
     if start is None:
@@ -322,18 +322,12 @@ def _with_disk_files(plan: Plan, params: list, store: disk.DiskStore, initial: t
     made, shape = [], np.shape(p)
     for field, dtype, value in zip(plan.fields, leaf.dtypes, initial):
       zero = not np.any(np.asarray(value))  # new files are zeros: nothing to write
-      if leaf.quantized:  # codes and scales, each in its own file
-        specs = [(field.name, shape, quantized.CODE_DTYPE),
-                 (field.name + "_scales", quantized.scales_shape(shape), quantized.SCALE_DTYPE)]
-        q = None if zero else quantized.quantize(jnp.full(shape, value, jnp.float32), signed=field.signed)
-        contents = [None, None] if zero else [np.asarray(q.codes), np.asarray(q.scales)]
-      else:
-        specs, contents = [(field.name, shape, dtype)], [None if zero else np.full(shape, value, dtype)]
-      for (name, file_shape, file_dtype), content in zip(specs, contents):
-        moment = store.create(file_shape, file_dtype)
+      contents = leaf.moments.initial(shape, dtype, None if zero else value, signed=field.signed)
+      for (suffix, file_shape, file_dtype), content in zip(leaf.moments.arrays(shape, dtype), contents):
+        moment = store.create(file_shape, file_dtype)  # each array in its own file
         if content is not None:
-          disk.write(moment, content)
-        made.append((name, moment))
+          disk.write(moment, np.broadcast_to(np.asarray(content, file_dtype), file_shape))
+        made.append((field.name + suffix, moment))
     return tuple(made)
 
   return dataclasses.replace(plan, leaves=tuple(
@@ -357,7 +351,7 @@ def _init(params: Any, rule: UpdateRule, o: Options, disk_store: list, stepped_r
       disk_store[:] = [disk.DiskStore(o.placement.nvme_offload_dir)]
     plan = _with_disk_files(plan, param_leaves, disk_store[0], initial)
   with_master = _keeps_masters(o)
-  names = [f.name for f in rule.fields] + ([f.name + "_scales" for f in rule.fields] if o.storage.quantized else [])
+  names = [f.name + suffix for suffix in ("",) + o.storage.moments.suffixes for f in rule.fields]
   names += ["master"] * with_master
   if o.storage.state_layout == "packed":  # checked before any state is made
     plan = dataclasses.replace(plan, layout=packing.make_layout(plan, params, names))
@@ -661,21 +655,19 @@ def moment_values(opt_state: Any) -> tuple[Any, ...]:
     values, _ = packing.leaf_state(state, plan)
     on_host = lambda x: jax.tree.map(read, packed.read(x))  # an array, or 8-bit codes and scales
     return tuple(plan.layout.treedef.unflatten(
-        [quantized.dequantize(on_host(v[k]), signed=field.signed) if lp.quantized else on_host(v[k])
-         for lp, v in zip(plan.leaves, values)]) for k, field in enumerate(plan.fields))
+        [lp.moments.decode(on_host(v[k]), signed=field.signed) for lp, v in zip(plan.leaves, values)])
+        for k, field in enumerate(plan.fields))
   treedef = jax.tree.structure(getattr(state, "master" if not plan.fields else plan.field_names[0]))
   out = []
-  for k, field in enumerate(plan.fields):
-    codes = treedef.flatten_up_to(getattr(state, field.name))
-    scales_tree = getattr(state, field.name + "_scales")
-    scales = [None] * len(codes) if scales_tree is None else treedef.flatten_up_to(scales_tree)
+  for field in plan.fields:
+    entries = {suffix: (None if (tree := getattr(state, field.name + suffix)) is None
+                        else treedef.flatten_up_to(tree)) for suffix in ("",) + moments_lib.SUFFIXES}
     values = []
-    for lp, c, sc in zip(plan.leaves, codes, scales):
+    for i, lp in enumerate(plan.leaves):
       files = dict(lp.files)
-      if lp.on_disk:
-        c, sc = files[field.name], files.get(field.name + "_scales")
-      values.append(quantized.dequantize(quantized.QuantizedMoment(read(c), read(sc)), signed=field.signed)
-                    if lp.quantized else read(c))
+      arrays = [files[field.name + suffix] if lp.on_disk else entries[suffix][i]
+                for suffix in ("",) + lp.moments.suffixes]
+      values.append(lp.moments.decode(lp.moments.stored([read(a) for a in arrays]), signed=field.signed))
     out.append(treedef.unflatten(values))
   return tuple(out)
 

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import optax_hybrid
-from optax_hybrid import masters, placement
+from optax_hybrid import masters, moments, placement
 from optax_hybrid.plan import STREAM_STAGE_BYTES, LeafPlan, Plan, assign_slices, assign_stages, state_bytes
 
 needs_host = pytest.mark.skipif("pinned_host" not in placement.available_memory_kinds(),
@@ -27,11 +27,11 @@ F32, BF16 = np.dtype(np.float32), np.dtype(jnp.bfloat16)
 COPY = masters.FORMATS[masters.FLOAT32]  # a float32 copy: what master_dtype=jnp.float32 keeps
 
 
-def leaf(tier, dtypes=(F32, F32), master=None, quantized=False):
+def leaf(tier, dtypes=(F32, F32), master=None, stored_as=moments.AS_STORED):
   """A leaf's plan as make_plan writes it for Adam (two fields), stage 0."""
   state_kind = "device" if tier == "device" else "pinned_host"
   return LeafPlan(path=f"['{tier}']", tier=tier, param_kind="device", state_kind=state_kind, dtypes=dtypes,
-                  master_dtype=master, master=masters.NO_MASTER if master is None else COPY, quantized=quantized)
+                  master_dtype=master, master=masters.NO_MASTER if master is None else COPY, moments=stored_as)
 
 
 # --- equality: what jit's cache keys on -----------------------------------------
@@ -76,7 +76,7 @@ def test_state_bytes_counts_every_field_and_the_master():
   assert state_bytes(leaf("host_state"), (10, 3)) == 30 * (4 + 4)
   assert state_bytes(leaf("host_state", dtypes=(BF16, BF16), master=F32), (7,)) == 7 * (2 + 2 + 4)
   # 8-bit: per field one byte per value and a float32 scale per block of 256 along the last axis.
-  q = leaf("host_state", quantized=True, master=F32)
+  q = leaf("host_state", stored_as=moments.BLOCKWISE_8BIT, master=F32)
   assert state_bytes(q, (3, 300)) == 2 * (900 + 3 * 2 * 4) + 900 * 4
   assert all(type(state_bytes(lp, (3, 300))) is int for lp in (q, leaf("host_state")))  # bytes, not a float
 
@@ -113,7 +113,7 @@ def test_a_host_state_leaf_larger_than_the_budget_crosses_in_slices_of_rows():
   assert [lp.stage for lp in got] == [lp.stage for lp in leaves]  # nothing else changes
   # A row larger than the budget still crosses a row at a time; 8-bit codes and scales count as stored.
   assert assign_slices([leaf("host_state")], [(3, 100)], budget=400)[0].slice_rows == 1
-  q = leaf("host_state", quantized=True)
+  q = leaf("host_state", stored_as=moments.BLOCKWISE_8BIT)
   per_row = 2 * (256 + 4)  # two moments: a code per value, a float32 scale per block of 256
   assert assign_slices([q], [(6, 256)], budget=3 * per_row)[0].slice_rows == 3
   assert assign_slices([q], [(6, 256)], budget=3 * per_row - 1)[0].slice_rows == 2

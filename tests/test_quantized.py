@@ -19,6 +19,7 @@ import pytest
 
 import numpy_reference as nr
 import optax_hybrid
+from optax_hybrid import moments
 from optax_hybrid.kernels import native_cpu, quantized
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks"))
@@ -189,8 +190,8 @@ def test_every_tier_and_kernel_follows_the_float64_model(tier, kernel, fused):
   tx = optax_hybrid.hybrid_adamw(lr, weight_decay=wd, moment_format="8bit", tiers=tier, kernel=kernel,
                                  master_dtype=jnp.float32)
   state = tx.init(params)
-  assert state.plan.leaves[0].quantized is False  # "b": 10 values, float32 moments
-  assert [leaf.quantized for leaf in state.plan.leaves] == [False, True, True]
+  assert state.plan.leaves[0].moments is moments.AS_STORED  # "b": 10 values, float32 moments
+  assert [leaf.moments for leaf in state.plan.leaves] == [moments.AS_STORED] + [moments.BLOCKWISE_8BIT] * 2
   if fused:
     step = jax.jit(tx.step)
   else:
