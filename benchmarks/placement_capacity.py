@@ -246,18 +246,19 @@ def speed_table(args) -> None:
             f"{6 * n * tokens / c.step_seconds / PEAK_FLOPS:.1%} | {adamw} |", flush=True)
 
 
-def compile_split(layers: int, resident: int, resident_state: str, sizes: dict, target: str) -> dict:
+def compile_split(layers: int, resident: int, resident_state: str, sizes: dict, target: str,
+                  devices: int = 1) -> dict:
   """``resident`` layers on the device (their state in ``resident_state``), the rest streamed with their state in
   host memory: a placement named here (not the planner's choice), placed by ``StackPlacement``; the step compiled
   whole."""
   from optax_hybrid import gpu_compile
-  params, batch, step = model_at(layers, sizes)
+  params, batch, step = model_at(layers, sizes, devices)
   rest_state = resident_state if resident else "host_state"
   placement = optax_hybrid.StackPlacement("layers", layers, resident, resident_state, rest_state, target,
-                                          0.0, 0.0, None, None, 0.0, 0.0)
+                                          0.0, 0.0, None, None, 0.0, 0.0, num_devices=devices)
   placed, tx = placement.place(params), optimizer(placement.state_memory_kind)
   report = gpu_compile.compile_for_gpu(step(tx), placed, tx.init(placed), batch, target=target,
-                                       donate_argnums=(0, 1))
+                                       num_devices=devices, donate_argnums=(0, 1))
   return dict(resident=resident, state=resident_state, device=report.device_peak_bytes, host=report.host_peak_bytes,
               bus_in=report.to_device_bytes, bus_out=report.to_host_bytes)
 
@@ -268,9 +269,9 @@ def check_split(args) -> None:
   sizes, layers = QUICK if args.quick else LLAMA, args.layers
   host_bytes = 2e8 if args.quick else HOST_MEMORIES[args.check_split]
   device_bytes = 64e6 if args.quick else gpu_compile.target_device_memory_bytes(args.target)
-  device_budget, host_budget = 0.9 * device_bytes, 0.9 * host_bytes
+  device_budget, host_budget = 0.9 * device_bytes, 0.9 * host_bytes / args.devices  # a host shared by the GPUs
   started = time.time()
-  chosen = choose(layers, sizes, host_bytes, args.target, {}, device_bytes)
+  chosen = choose(layers, sizes, host_bytes, args.target, {}, device_bytes, args.devices)
   if chosen is None:
     raise SystemExit(f"{layers} layers: the planner finds no placement with {args.check_split}")
   c, n = chosen["chosen"], chosen["params"]
@@ -283,7 +284,7 @@ def check_split(args) -> None:
     lo_k, hi_k = (c.resident_layers, layers + 1) if known else (-1, layers + 1)
     while hi_k - lo_k > 1:
       k = lo_k + 1 if known and lo_k == c.resident_layers and hi_k == layers + 1 else (lo_k + hi_k) // 2
-      r = compile_split(layers, k, way, sizes, args.target)
+      r = compile_split(layers, k, way, sizes, args.target, args.devices)
       print(f"    {way}: {k} resident: device {r['device'] / GB:.1f} GB, host {r['host'] / GB:.1f} GB, "
             f"{'fits' if fits(r) else 'does not fit'}", file=sys.stderr, flush=True)
       if fits(r):
@@ -292,19 +293,21 @@ def check_split(args) -> None:
         hi_k = k
     if lo is not None:
       best.append(lo)
+  where = "" if args.devices == 1 else f" on a node of {args.devices} (FSDP, batch {args.devices} x 2048, per GPU)"
   print(f"\nThe planner's placement for {layers} layers ({n / 1e9:.2f} B params) with {args.check_split} of host "
-        f"memory, against the best split found by bisection at full depth (each candidate placed by hand with "
+        f"memory{where}, against the best split found by bisection at full depth (each candidate placed by hand with "
         f"StackPlacement and compiled whole for the {args.target.upper()}; budgets 0.9 of each memory); "
         f"jax {jax.__version__}, {time.time() - started:.0f} s:\n")
+  share = n / args.devices  # the weights of one GPU's share: its bus bytes per weight
   print("| placement | resident (state) / streamed | device GB | host GB | bus in / out B/weight |")
   print("|---|---|---:|---:|---:|")
   print(f"| chosen by choose_placement | {c.resident_layers} ({c.resident_state}) / {c.streamed_layers} | "
-        f"{c.compiled.device / GB:.1f} | {c.compiled.host / GB:.1f} | {c.compiled.bus_in / n:.2f} / "
-        f"{c.compiled.bus_out / n:.2f} |")
+        f"{c.compiled.device / GB:.1f} | {c.compiled.host / GB:.1f} | {c.compiled.bus_in / share:.2f} / "
+        f"{c.compiled.bus_out / share:.2f} |")
   for r in best:
     print(f"| the most resident layers that fit, state on {r['state']} | {r['resident']} ({r['state']}) / "
-          f"{layers - r['resident']} | {r['device'] / GB:.1f} | {r['host'] / GB:.1f} | {r['bus_in'] / n:.2f} / "
-          f"{r['bus_out'] / n:.2f} |")
+          f"{layers - r['resident']} | {r['device'] / GB:.1f} | {r['host'] / GB:.1f} | {r['bus_in'] / share:.2f} / "
+          f"{r['bus_out'] / share:.2f} |")
   fewest = min(r["bus_in"] + r["bus_out"] for r in best)
   print(f"\nThe chosen placement's bus bytes per step are {(c.compiled.bus_in + c.compiled.bus_out) / fewest:.3f}x "
         f"the fewest found.")
