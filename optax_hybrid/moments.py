@@ -55,11 +55,20 @@ class MomentFormat:
       format stores them (8-bit: float32); None: the field's own dtype.
     suffixes: the state's attributes per field besides the field's own
       (``"_scales"``: ``mu_scales`` beside ``mu``).
+    kernels: the custom kernels that read and write it themselves
+      (``"native"``, ``"pallas"``); a leaf in a format a kernel does not name
+      is stepped by the reference rule, which asks the format to
+      :meth:`decode` and :meth:`encode`.
+    in_row_slices: the reference rule steps a leaf larger than
+      :data:`optax_hybrid.kernels.reference.SLICE_VALUES` in slices of rows
+      (its decoded values are float32 temporaries XLA keeps whole).
   """
 
   name: str = "as stored"
   value_dtype: Any = None
   suffixes: tuple[str, ...] = ()
+  kernels: tuple[str, ...] = ()
+  in_row_slices: bool = False
 
   def applies_to(self, shape: Sequence[int], dtype: Any, last_axis_shards: int = 1) -> bool:
     """Whether a leaf of ``shape`` and ``dtype``, its state's last axis split in ``last_axis_shards``, takes it."""
@@ -77,10 +86,11 @@ class MomentFormat:
     del shape, dtype, signed
     return [fill]
 
-  def encode(self, values: Any, *, signed: bool) -> Any:
-    """The stored form of float ``values`` (what :meth:`stored` makes of the arrays)."""
+  def encode(self, values: Any, *, like: Any, signed: bool) -> Any:
+    """The stored form of ``values`` (what :meth:`stored` makes of the arrays), as ``like`` (the value stored
+    before) is stored."""
     del signed
-    return values
+    return values.astype(like.dtype)
 
   def decode(self, stored: Any, *, signed: bool) -> Any:
     """The values of a stored field (the inverse of :meth:`encode`, up to its rounding)."""
@@ -112,6 +122,8 @@ class Blockwise8bit(MomentFormat):
   name: str = "8bit"
   value_dtype: Any = np.dtype(np.float32)
   suffixes: tuple[str, ...] = ("_scales",)
+  kernels: tuple[str, ...] = ("native", "pallas")
+  in_row_slices: bool = True
 
   def applies_to(self, shape, dtype, last_axis_shards=1):
     return quantized.quantizable(shape, dtype, last_axis_shards)
@@ -127,7 +139,8 @@ class Blockwise8bit(MomentFormat):
       return [None, None]
     return self.arrays_of(quantized.quantize(jnp.full(shape, fill, jnp.float32), signed=signed))
 
-  def encode(self, values, *, signed):
+  def encode(self, values, *, like, signed):
+    del like
     return quantized.quantize(values, signed=signed)
 
   def decode(self, stored, *, signed):
@@ -144,7 +157,7 @@ class Blockwise8bit(MomentFormat):
 
 
 #: The values themselves, in each field's dtype (``moment_format`` None or a dtype name).
-AS_STORED = MomentFormat()
+AS_STORED = MomentFormat(kernels=("native", "pallas"))
 #: ``moment_format="8bit"``.
 BLOCKWISE_8BIT = Blockwise8bit()
 #: The formats by ``moment_format=`` name (a dtype name stores the values as they are, in that dtype).
@@ -154,8 +167,11 @@ SUFFIXES = tuple(dict.fromkeys(s for f in BY_NAME.values() for s in f.suffixes))
 
 
 def resolve(moment_format: Any) -> MomentFormat:
-  """The format a ``moment_format=`` argument asks for (None or a dtype name: :data:`AS_STORED`)."""
-  return BY_NAME.get(moment_format, AS_STORED) if isinstance(moment_format, (str, type(None))) else AS_STORED
+  """The format a ``moment_format=`` argument asks for: a format value, a name of :data:`BY_NAME`, or (None, a
+  dtype name) :data:`AS_STORED`."""
+  if isinstance(moment_format, MomentFormat):
+    return moment_format
+  return BY_NAME.get(moment_format, AS_STORED) if isinstance(moment_format, str) else AS_STORED
 
 
 __all__ = ["AS_STORED", "BLOCKWISE_8BIT", "Blockwise8bit", "MomentFormat", "resolve"]

@@ -103,7 +103,8 @@ class Storage:
       of 4 (leaves of fewer than 4096 values, non-float leaves, and leaves
       whose state shards would split a block keep float32). Every tier and
       kernel takes it; the update uses the new values before they are
-      quantized (:mod:`optax_hybrid.kernels.quantized`).
+      quantized (:mod:`optax_hybrid.kernels.quantized`). Or a format of your
+      own, a :class:`optax_hybrid.moments.MomentFormat` value.
     master: master weights for each lower-precision param (bf16, fp16), so
       that small steps accumulate instead of rounding away
       (:mod:`optax_hybrid.masters`): ``"float32"`` (a float32 copy, 4 bytes
@@ -129,7 +130,7 @@ class Storage:
       non-params state, and checkpoints restore into the same layout only.
   """
 
-  moment_format: Optional[str] = None
+  moment_format: Any = None
   master: Any = None
   master_dtype: Any = _deprecated()
   state_layout: str = "leaves"
@@ -324,9 +325,10 @@ def _checked_storage(owner: str, s: Storage, rule: Any) -> Storage:
     if dtype is not None and not is_inexact(jnp.dtype(dtype)):
       raise ValueError(f"{owner}: `{field.dtype_argument}` must be a floating dtype, got {jnp.dtype(dtype)}.")
   if s.moment_format is not None:
-    if s.moment_format not in MOMENT_FORMATS:
+    if not isinstance(s.moment_format, moments_lib.MomentFormat) and s.moment_format not in MOMENT_FORMATS:
       raise ValueError(f"{owner}: unknown `moment_format`={s.moment_format!r}; accepted values are "
-                       f"{', '.join(repr(f) for f in MOMENT_FORMATS)} (or None: each field's own dtype).")
+                       f"{', '.join(repr(f) for f in MOMENT_FORMATS)}, an optax_hybrid.moments.MomentFormat (or "
+                       f"None: each field's own dtype).")
     if asked:
       names = " / ".join(f"`{f.dtype_argument}`" for f in rule.fields if f.dtype_argument)
       raise ValueError(f"{owner}: pass either `moment_format` or {names}, not both: "

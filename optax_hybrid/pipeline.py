@@ -113,7 +113,7 @@ def gather(grads: Any, state: Any, params: Any, plan: Plan, write_params: bool, 
     writes = write_params or lp.master.active  # the first result is the new param
     reads = lp.master.reads_param if lp.master.active else (lp.decay or write_params)
     facts = LeafFacts(lp.decay, jnp.asarray(param).dtype if writes else jnp.result_type(g.dtype, *lp.dtypes),
-                      lp.row_axes)
+                      lp.row_axes, moments=lp.moments)
     out.append(LeafIn(g, values, param, master, reads, facts))
   return treedef, out
 

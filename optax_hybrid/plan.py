@@ -391,7 +391,9 @@ def field_dtypes(param_dtype: Any, rule: Any, storage: Any, path: Any, owner: st
   out = []
   for field, asked in zip(rule.fields, rule.field_dtypes):
     if storage.moment_format is not None:
-      asked = np.dtype(storage.moments.value_dtype or storage.moment_format)
+      form = storage.moments  # a format that encodes the values names their dtype; else a dtype name
+      asked = np.dtype(form.value_dtype if form.value_dtype is not None else
+                       storage.moment_format if isinstance(storage.moment_format, str) else jnp.float32)
       if complex_param and not field.real:
         asked = jnp.result_type(asked, jnp.complex64)
     dtype = np.dtype((real_param_dtype if field.real else param_dtype) if asked is None else asked)

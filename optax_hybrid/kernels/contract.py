@@ -67,12 +67,18 @@ class LeafFacts(NamedTuple):
       the whole leaf (:func:`optax_hybrid.masters.positions`), the shard's
       first element's position being in its seed, so a step split over
       devices draws the bits a whole one does.
+    moments: the leaf's moment format (:class:`optax_hybrid.moments.MomentFormat`):
+      a kernel takes the leaf if the format names it (``kernels``), and the
+      reference rule decodes and encodes its fields through it. None: the
+      fields are arrays, or 8-bit :class:`~optax_hybrid.kernels.quantized.QuantizedMoment` s,
+      each kernel reading them as it recognises them.
   """
 
   decay: bool
   out_dtype: Any
   row_axes: int | None = None
   shard: tuple | None = None
+  moments: Any = None
 
 
 class LeafResult(NamedTuple):

@@ -194,6 +194,8 @@ def _supports_quantized(leaf: contract.LeafOperands, fact: contract.LeafFacts, s
 def supports(leaf: contract.LeafOperands, fact: contract.LeafFacts, step: contract.Step) -> bool:
   """Whether the compiled loops cover this leaf: its rule (:func:`implements`) and dtypes (``run_leaf`` in the C++)."""
   t = np.dtype(leaf.grad.dtype)
+  if fact.moments is not None and "native" not in fact.moments.kernels:  # a format it does not implement
+    return False
   if isinstance(leaf.param, packed.PackedSlice):  # a packed master stepped as the param: params are operands
     return False
   if t not in contract.STORAGE_DTYPES or (leaf.param is not None and np.dtype(leaf.param.dtype) != t):

@@ -105,6 +105,8 @@ def supports(leaf: contract.LeafOperands, fact: contract.LeafFacts, master: Any 
   body without master formats). ``master``: the step's master format
   (:attr:`contract.Step.master`).
   """
+  if fact.moments is not None and "pallas" not in fact.moments.kernels:  # a format it does not implement
+    return False
   dtypes = [leaf.grad.dtype, fact.out_dtype] + ([] if leaf.param is None else [leaf.param.dtype])
   if master.active:
     if _is_quantized(leaf):
@@ -218,14 +220,16 @@ def _launch(leaves, facts, s, step, *, interpret, block_size, rows_per_program, 
     scalars = type(s)(**{**dict.fromkeys(s._fields), **{n: s_ref[k] for k, n in enumerate(names)}})
     ok = s_ref[len(names)] != 0
 
-    def rule_step(g, state, p, scalars, *, decay, update_dtype, master=None, offset=0, shard=None):
+    def rule_step(g, state, p, scalars, *, decay, update_dtype, master=None, offset=0, shard=None, moments=None):
       """The rule on one tile: ``(first, state, master)``; a skipped step keeps every stored array."""
       if not step.master.active:
-        first, new = reference.leaf_update(step, g, state, p, scalars, decay=decay, update_dtype=update_dtype)
+        first, new = reference.leaf_update(step, g, state, p, scalars, decay=decay, update_dtype=update_dtype,
+                                           moments=moments)
         new_master = None
       else:  # the tile's elements start at flat position `offset` of the leaf
         first, new, new_master = reference.master_update(step, g, state, p, master, scalars, decay=decay,
-                                                         update_dtype=update_dtype, offset=offset, shard=shard)
+                                                         update_dtype=update_dtype, offset=offset, shard=shard,
+                                                         moments=moments)
       if skips:
         first = jnp.where(ok, first, p if step.write_params else jnp.zeros_like(first))
         new = jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, tuple(state))
@@ -279,7 +283,7 @@ def _float_body(i, leaf, fact, layout, refs, outs, program, rule_step, scalars, 
       master = refs[slot.master][...]
     first, new, new_master = rule_step(load(slot.grad), tuple(load(parts[0]) for parts in slot.state), p, scalars,
                                        decay=fact.decay, update_dtype=fact.out_dtype, master=master, offset=offset,
-                                       shard=fact.shard)
+                                       shard=fact.shard, moments=fact.moments)
     for k, value in enumerate((first, *new) + ((new_master,) if master_format.keeps else ())):
       pl_triton.store(outs[slot.first_out + k].at[block], value, mask=inside)
 

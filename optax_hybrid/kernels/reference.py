@@ -38,8 +38,29 @@ from optax_hybrid.kernels.contract import LeafFacts, LeafOperands, LeafResult, S
 Stored = Union[jax.Array, quantized.QuantizedMoment]
 
 
+def _codec(moments: Any) -> tuple[Any, Any]:
+  """``(decode, encode)`` of a leaf's fields: its moment format's, or (None) by what each stored value is."""
+  if moments is not None:
+    return moments.decode, moments.encode
+
+  def decode(x, *, signed):
+    return quantized.dequantize(x, signed=signed) if isinstance(x, quantized.QuantizedMoment) else x
+
+  def encode(x, *, like, signed):
+    return quantized.quantize(x, signed=signed) if isinstance(like, quantized.QuantizedMoment) else x.astype(
+        like.dtype)
+  return decode, encode
+
+
+def _in_row_slices_wanted(leaf: LeafOperands, fact: LeafFacts) -> bool:
+  """Whether the leaf's format decodes to float32 temporaries (8-bit): stepped in slices of rows when large."""
+  if fact.moments is not None:
+    return fact.moments.in_row_slices
+  return bool(leaf.state) and isinstance(leaf.state[0], quantized.QuantizedMoment)
+
+
 def leaf_update(step: Step, grad: jax.Array, state: Sequence[Stored], param: jax.Array | None, s: Any, *,
-                decay: bool, update_dtype: Any) -> tuple[jax.Array, tuple]:
+                decay: bool, update_dtype: Any, moments: Any = None) -> tuple[jax.Array, tuple]:
   """One leaf's step by ``step.rule``. Returns ``(update, new state)``, the state in its storage formats.
 
   ``decay`` says whether this leaf takes weight decay (the mask); ``param`` may
@@ -48,7 +69,10 @@ def leaf_update(step: Step, grad: jax.Array, state: Sequence[Stored], param: jax
   storage quantizes them). With ``step.write_params`` the first result is the
   new parameter ``p + update``, added in float32 and rounded once to the
   param's dtype (``update_dtype`` is then the param's dtype): the fused apply.
+  ``moments``: the fields' moment format (:attr:`LeafFacts.moments`), which
+  decodes and encodes them; None: arrays, or 8-bit codes and scales.
   """
+  decode, encode = _codec(moments)
   dtype = jnp.promote_types(grad.dtype, jnp.float32)  # float32, or wider (complex: its complex type)
   g = grad.astype(dtype)
   decay = decay and step.decay is not None
@@ -58,8 +82,7 @@ def leaf_update(step: Step, grad: jax.Array, state: Sequence[Stored], param: jax
     g = g + s.weight_decay * p
   real, values = jnp.finfo(dtype).dtype, []
   for f, x in zip(step.fields, state):  # decoded to the compute dtype (8-bit codes dequantized)
-    x = quantized.dequantize(x, signed=f.signed) if isinstance(x, quantized.QuantizedMoment) else x
-    values.append(x.astype(real if f.real else dtype))
+    values.append(decode(x, signed=f.signed).astype(real if f.real else dtype))
   update, new_values = step.rule.update(g, tuple(values), s)
   if decay and step.decay == DECOUPLED:
     update = update - (s.learning_rate * s.weight_decay) * p
@@ -69,8 +92,7 @@ def leaf_update(step: Step, grad: jax.Array, state: Sequence[Stored], param: jax
     first, unchanged = update.astype(update_dtype), None
   new = []
   for f, x, old in zip(step.fields, new_values, state):  # encoded in the old value's storage format
-    new.append(quantized.quantize(x, signed=f.signed) if isinstance(old, quantized.QuantizedMoment)
-               else x.astype(old.dtype))
+    new.append(encode(x, like=old, signed=f.signed))
   new = tuple(new)
   if s.step_ok is not None:
     # A scalar predicate selects without broadcasting, which host compute needs.
@@ -82,8 +104,8 @@ def leaf_update(step: Step, grad: jax.Array, state: Sequence[Stored], param: jax
 
 
 def master_update(step: Step, grad: jax.Array, state: Sequence[Stored], param: jax.Array | None, master: Any,
-                  s: Any, *, decay: bool, update_dtype: Any, offset: Any = 0, shard: tuple | None = None
-                  ) -> tuple[jax.Array, tuple, Any]:
+                  s: Any, *, decay: bool, update_dtype: Any, offset: Any = 0, shard: tuple | None = None,
+                  moments: Any = None) -> tuple[jax.Array, tuple, Any]:
   """One leaf's step through its master format ``step.master``: ``(new param, new state, new master)``.
 
   The format reads the float32 value ``w`` from ``param`` and ``master`` (its
@@ -94,12 +116,13 @@ def master_update(step: Step, grad: jax.Array, state: Sequence[Stored], param: j
   ``offset`` being the first one's (a kernel's tile passes its own), so every
   kernel gets the same bits (``shard``: :attr:`LeafFacts.shard`, for a
   kernel run on one shard of a split leaf). A skipped step keeps the param
-  and the master.
+  and the master. ``moments``: as for :func:`leaf_update`.
   """
   fmt = step.master
   value = fmt.value(param, master)
   plain = step._replace(write_params=True, master=masters.NO_MASTER)
-  new_value, new_state = leaf_update(plain, grad, state, value, s, decay=decay, update_dtype=value.dtype)
+  new_value, new_state = leaf_update(plain, grad, state, value, s, decay=decay, update_dtype=value.dtype,
+                                     moments=moments)
   where = masters.positions(grad, offset, shard) if fmt.random else None
   first, new_master = fmt.write(new_value, update_dtype, master, where)
   if s.step_ok is not None:
@@ -180,16 +203,17 @@ def _leaf_result(leaf: LeafOperands, fact: LeafFacts, s: Any, step: Step, offset
   rows is stepped in slices (:func:`_in_row_slices`, whose slices come back
   here to be stepped whole, at their ``offset`` in the leaf).
   """
-  if leaf.state and isinstance(leaf.state[0], quantized.QuantizedMoment) and leaf.grad.size > SLICE_VALUES:
+  if _in_row_slices_wanted(leaf, fact) and leaf.state and leaf.grad.size > SLICE_VALUES:
     lead = _row_axes(leaf, fact)
     row = math.prod(leaf.grad.shape[lead:])
     if lead > 0 and leaf.grad.size // row > max(1, SLICE_VALUES // row):
       return _in_row_slices(leaf, fact, s, step)
   if not step.master.active:
     return LeafResult(*leaf_update(step, leaf.grad, leaf.state, leaf.param, s, decay=fact.decay,
-                                   update_dtype=fact.out_dtype))
+                                   update_dtype=fact.out_dtype, moments=fact.moments))
   return LeafResult(*master_update(step, leaf.grad, leaf.state, leaf.param, leaf.master, s, decay=fact.decay,
-                                   update_dtype=fact.out_dtype, offset=offset, shard=fact.shard))
+                                   update_dtype=fact.out_dtype, offset=offset, shard=fact.shard,
+                                   moments=fact.moments))
 
 
 # Values of a leaf with 8-bit storage that the rule updates at once. XLA keeps
