@@ -199,3 +199,18 @@ def test_a_checkpoint_restores_and_steps_on(tmp_path):
   jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)),
                (resumed[0], optax_hybrid.moment_values(resumed[1])),
                (straight[0], optax_hybrid.moment_values(straight[1])))
+
+
+def test_a_leaf_larger_than_a_slice_is_stepped_in_slices_of_rows_with_the_same_numbers(monkeypatch):
+  """The format's stored value is a pytree of arrays with the leaf's leading axes: the reference rule cuts it into
+  slices of rows (``in_row_slices``), each stepped as a whole leaf, with the numbers of one pass."""
+  from optax_hybrid.kernels import reference
+  whole = [np.asarray(x["w"]) for x in (lambda r: (r[1], *optax_hybrid.moment_values(r[2])))(run("device", "xla"))]
+  monkeypatch.setattr(reference, "SLICE_VALUES", 3 * 64)  # 8 rows of 64: slices of 3 rows, the last of 2
+  seen = []
+  original = reference._in_row_slices
+  monkeypatch.setattr(reference, "_in_row_slices", lambda *a, **k: seen.append(1) or original(*a, **k))
+  sliced = [np.asarray(x["w"]) for x in (lambda r: (r[1], *optax_hybrid.moment_values(r[2])))(run("device", "xla"))]
+  assert seen, "the leaf was not stepped in slices"
+  for a, b in zip(sliced, whole):
+    np.testing.assert_array_equal(a, b)
