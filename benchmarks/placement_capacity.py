@@ -4,6 +4,7 @@
     JAX_PLATFORMS=cpu PYTHONPATH=. python benchmarks/placement_capacity.py --speed-table [--sizes 7,13,...]
     JAX_PLATFORMS=cpu PYTHONPATH=. python benchmarks/placement_capacity.py --quick      # small widths (a test)
     JAX_PLATFORMS=cpu PYTHONPATH=. python benchmarks/placement_capacity.py --devices 8 --host-memories "2 TB"
+    JAX_PLATFORMS=cpu PYTHONPATH=. python benchmarks/placement_capacity.py --breakdown 271 --layers 280 --batch 4
 
 Compile-time figures (XLA:GPU's plan for an H200, compiled on a CPU machine, as
 ``benchmarks/gpu_memory.py --capacity-table``): the decoder of that table
@@ -42,6 +43,12 @@ it), the host memory shared by the 8; figures per GPU. The baseline,
 ``optax.adamw`` on the devices alone, is given its best split of the down
 projection ``(F, D)`` (on ``D`` as the other matrices, or on ``F``), each
 searched here.
+
+``--breakdown K --layers N [--batch B]``: where the step-time estimate of one
+placement goes (``K`` resident layers with their state in host memory, the
+rest streamed; compiled whole): the estimate, its parts (compute, each
+direction of the bus, the bus hidden behind kernels, launches), the flops
+against 6 N per token, and the slowest loops.
 
 Prints a markdown table: per host memory, layers, params, the ratio to the
 baseline, the placement (resident layers and their state, streamed layers),
@@ -313,6 +320,35 @@ def check_split(args) -> None:
         f"the fewest found.")
 
 
+def breakdown(args) -> None:
+  """The step-time estimate of ``--breakdown K`` resident layers (state in host memory) of ``--layers``, by part."""
+  from optax_hybrid import gpu_compile
+  sizes = dict(QUICK if args.quick else LLAMA, batch=args.batch)
+  params, batch, step = model_at(args.layers, sizes)
+  k = args.breakdown
+  placement = optax_hybrid.StackPlacement("layers", args.layers, k, "host_state", "host_state", args.target,
+                                          0.0, 0.0, None, None, 0.0, 0.0)
+  placed, tx = placement.place(params), optimizer(placement.state_memory_kind)
+  report = gpu_compile.compile_for_gpu(step(tx), placed, tx.init(placed), batch, target=args.target,
+                                       donate_argnums=(0, 1))
+  t, n = report.step_time(), num_params(params)
+  tokens = args.batch * sizes["seq"]
+  print(f"\n{args.layers} layers ({n / 1e9:.2f} B params), {k} resident (state in host memory) / "
+        f"{args.layers - k} streamed, batch {args.batch} x {sizes['seq']}, compiled for the {args.target.upper()} "
+        f"(jax {jax.__version__}): device {report.device_peak_bytes / GB:.1f} GB, host "
+        f"{report.host_peak_bytes / GB:.1f} GB\n")
+  print("| estimate s | bound s | compute s | bus in s | bus out s | bus busy s | of it hidden s | launches s | "
+        "flops per weight per token | at peak s | tokens/s |")
+  print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+  print(f"| {t.seconds:.3f} | {t.lower_bound:.3f} | {t.compute:.3f} | {t.bus_in:.3f} | {t.bus_out:.3f} | "
+        f"{t.bus_busy:.3f} | {t.bus_hidden:.3f} | {t.launch_time:.3f} | {t.flops / tokens / n:.1f} | "
+        f"{t.flops / PEAK_FLOPS:.3f} | {tokens / t.seconds:,.0f} |")
+  print("\nSlowest loops (body, trips, seconds, compute, bus in, bus out, kernels):\n")
+  for loop in t.loops[:4]:
+    print(f"- {loop.body}: {loop.trips} trips, {loop.seconds:.3f} s, compute {loop.compute:.3f} s, bus in "
+          f"{loop.bus_in:.3f} s, out {loop.bus_out:.3f} s, {loop.kernels} kernels")
+
+
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--target", default="h200")
@@ -326,7 +362,11 @@ def main(argv=None):
   parser.add_argument("--check-split", metavar="MEMORY", help="the choice against a search of the split, at --layers")
   parser.add_argument("--layers", type=int, default=435, help="--check-split: the model's depth")
   parser.add_argument("--devices", type=int, default=1, help="GPUs of one node the model is split over (FSDP)")
+  parser.add_argument("--breakdown", type=int, metavar="K", help="the estimate of K resident layers, by part")
+  parser.add_argument("--batch", type=int, default=1, help="--breakdown: sequences per step")
   args = parser.parse_args(argv)
+  if args.breakdown is not None:
+    return breakdown(args)
   if args.check_split:
     return check_split(args)
   if args.speed_table:

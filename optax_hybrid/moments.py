@@ -26,7 +26,7 @@ Example:
   >>> from optax_hybrid import moments
   >>> [a[:2] for a in moments.BLOCKWISE_8BIT.arrays((4, 512), jnp.float32)]
   [('', (4, 512)), ('_scales', (4, 2))]
-  >>> stored = moments.BLOCKWISE_8BIT.encode(jnp.full((4, 512), 0.5), signed=True)
+  >>> stored = moments.BLOCKWISE_8BIT.encode(jnp.full((4, 512), 0.5), like=None, signed=True)
   >>> float(moments.BLOCKWISE_8BIT.decode(stored, signed=True)[0, 0])
   0.5
 """

@@ -38,25 +38,13 @@ from optax_hybrid.kernels.contract import LeafFacts, LeafOperands, LeafResult, S
 Stored = Union[jax.Array, quantized.QuantizedMoment]
 
 
-def _codec(moments: Any) -> tuple[Any, Any]:
-  """``(decode, encode)`` of a leaf's fields: its moment format's, or (None) by what each stored value is."""
-  if moments is not None:
-    return moments.decode, moments.encode
-
-  def decode(x, *, signed):
-    return quantized.dequantize(x, signed=signed) if isinstance(x, quantized.QuantizedMoment) else x
-
-  def encode(x, *, like, signed):
-    return quantized.quantize(x, signed=signed) if isinstance(like, quantized.QuantizedMoment) else x.astype(
-        like.dtype)
-  return decode, encode
+# A field decoded and encoded without its moment format (a kernel's operands as they come): by what it is.
+def _decode(x, *, signed):
+  return quantized.dequantize(x, signed=signed) if isinstance(x, quantized.QuantizedMoment) else x
 
 
-def _in_row_slices_wanted(leaf: LeafOperands, fact: LeafFacts) -> bool:
-  """Whether the leaf's format decodes to float32 temporaries (8-bit): stepped in slices of rows when large."""
-  if fact.moments is not None:
-    return fact.moments.in_row_slices
-  return bool(leaf.state) and isinstance(leaf.state[0], quantized.QuantizedMoment)
+def _encode(x, *, like, signed):
+  return quantized.quantize(x, signed=signed) if isinstance(like, quantized.QuantizedMoment) else x.astype(like.dtype)
 
 
 def leaf_update(step: Step, grad: jax.Array, state: Sequence[Stored], param: jax.Array | None, s: Any, *,
@@ -72,7 +60,7 @@ def leaf_update(step: Step, grad: jax.Array, state: Sequence[Stored], param: jax
   ``moments``: the fields' moment format (:attr:`LeafFacts.moments`), which
   decodes and encodes them; None: arrays, or 8-bit codes and scales.
   """
-  decode, encode = _codec(moments)
+  decode, encode = (_decode, _encode) if moments is None else (moments.decode, moments.encode)
   dtype = jnp.promote_types(grad.dtype, jnp.float32)  # float32, or wider (complex: its complex type)
   g = grad.astype(dtype)
   decay = decay and step.decay is not None
@@ -203,7 +191,10 @@ def _leaf_result(leaf: LeafOperands, fact: LeafFacts, s: Any, step: Step, offset
   rows is stepped in slices (:func:`_in_row_slices`, whose slices come back
   here to be stepped whole, at their ``offset`` in the leaf).
   """
-  if _in_row_slices_wanted(leaf, fact) and leaf.state and leaf.grad.size > SLICE_VALUES:
+  # A format that decodes to float32 temporaries (8-bit) is stepped in slices of rows when large.
+  sliced = (fact.moments.in_row_slices if fact.moments is not None else
+            bool(leaf.state) and isinstance(leaf.state[0], quantized.QuantizedMoment))
+  if sliced and leaf.state and leaf.grad.size > SLICE_VALUES:
     lead = _row_axes(leaf, fact)
     row = math.prod(leaf.grad.shape[lead:])
     if lead > 0 and leaf.grad.size // row > max(1, SLICE_VALUES // row):
