@@ -181,6 +181,15 @@ if __name__ == "__main__":
   chosen, record = choice()
   print(json.dumps(record), flush=True)
   if FSDP > 1:
+    half = jax.make_mesh((FSDP // 2,), ("fsdp",), axis_types=(jax.sharding.AxisType.Auto,),
+                         devices=jax.devices()[:FSDP // 2])
+    try:  # the batch on another mesh than the params
+      optax_hybrid.choose_placement(tx_for, step_for, PARAMS, S(BATCH.shape, BATCH.dtype, sharding=(
+          jax.sharding.NamedSharding(half, P("fsdp")))), target="h200", device_bytes=1e9, host_bytes=1e9)
+      message = None
+    except ValueError as e:
+      message = str(e)
+    print(json.dumps(dict(case="errors", meshes=message)), flush=True)
     sys.exit()
   print(json.dumps(numbers(chosen)), flush=True)
   print(json.dumps(errors()), flush=True)

@@ -55,14 +55,19 @@ def fsdp_choice() -> dict:
   flags = without_fast_compiles(os.environ.get("XLA_FLAGS", "")) + " --xla_force_host_platform_device_count=8"
   env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=flags.strip())
   proc = subprocess.run([sys.executable, SCRIPT, "--fsdp", "8"], env=env, capture_output=True, text=True, timeout=900)
-  out = [json.loads(l) for l in proc.stdout.splitlines() if l.startswith("{")]
-  if not out:
-    raise RuntimeError(f"{SCRIPT} --fsdp 8 printed nothing:\n{proc.stderr[-3000:]}")
-  return out[0]
+  out = {r["case"]: r for r in map(json.loads, (l for l in proc.stdout.splitlines() if l.startswith("{")))}
+  if set(out) != {"choice", "errors"}:
+    raise RuntimeError(f"{SCRIPT} --fsdp 8 stopped after {sorted(out)}:\n{proc.stderr[-3000:]}")
+  return out
+
+
+def test_params_and_a_batch_on_meshes_of_different_sizes_are_refused():
+  message = fsdp_choice()["errors"]["meshes"]
+  assert message is not None and "meshes of [4, 8] devices" in message and "one mesh" in message, message
 
 
 def test_a_stack_split_over_a_mesh_is_planned_per_device():
-  r = fsdp_choice()
+  r = fsdp_choice()["choice"]
   assert r["num_devices"] == 8 and "x 8, figures per device" in r["table"]
   assert r["host_budget"] == pytest.approx(0.9 * 1e9 / 8)  # one host memory, shared by the mesh's 8 devices
   by_hand = {(p["resident"], p["state"]): p for p in r["every"]}
