@@ -142,7 +142,7 @@ def make_layout(plan: Plan, params: Any, attributes: Sequence[str]) -> Layout:
 
 def _check_packable(plan: Plan, lp: Any, param: Any) -> None:
   owner, fix = plan.owner, "or keep state_layout='leaves' (the default)"
-  if lp.tier != tiers_lib.DEVICE_TIER or lp.state_space != placement.space_of_kind(placement.DEVICE_KIND):
+  if not tiers_lib.BY_NAME[lp.tier].packable or lp.state_space != placement.space_of_kind(placement.DEVICE_KIND):
     raise ValueError(f"{owner}: state_layout='packed' keeps the state in device memory; {lp.path} is in the "
                      f"{lp.tier!r} tier with its state in {lp.state_kind!r}. Use the device tier, {fix}.")
   devices = placement.devices_of(param)

@@ -167,10 +167,10 @@ class LeafPlan:
         "state_space": placement.space_of_kind(self.state_kind),
         "param_space": placement.space_of_kind(self.param_kind),
         # "host": computed in host compute (the host tier); else on the device.
-        "runs_on": "host" if self.tier == tiers_lib.HOST_TIER else "device",
-        "on_disk": self.tier == tiers_lib.DISK_TIER,
+        "runs_on": tiers_lib.BY_NAME[self.tier].runs_on,
+        "on_disk": tiers_lib.BY_NAME[self.tier].files,
         # Its data crosses the bus each step, in stages.
-        "streamed": self.tier in (tiers_lib.HOST_STATE_TIER, tiers_lib.HOST_TIER),
+        "streamed": tiers_lib.BY_NAME[self.tier].streamed,
         "salt": masters.salt_of(self.draws_as[0] if self.draws_as else self.path),
         "draw_offset": self.draws_as[1] if self.draws_as else 0,
     }
@@ -337,12 +337,12 @@ def make_plan(params: Any, rule: Any, options: Options) -> Plan:
     # A split stack's part is stored as its rows of the whole stack are (8-bit or not, by the whole's size).
     stored_shape = np.shape(p) if rows is None else (rows, *np.shape(p)[1:])
     placed = placement.sharding_of(p)  # None (one device), a NamedSharding, or UNSEEN
-    if tier == tiers_lib.DISK_TIER and placed is not None:
-      raise ValueError(
-          f"{owner}: the 'disk' tier needs single-device params (its ordered file callbacks "
-          "cannot run in a multi-device computation); keep sharded params in 'host' or 'host_state'.")
+    why = tiers_lib.BY_NAME[tier].single_device_why
+    if why is not None and placed is not None:
+      raise ValueError(f"{owner}: the {tier!r} tier needs single-device params ({why}); keep sharded params in "
+                       f"{' or '.join(repr(t.name) for t in tiers_lib.BY_NAME.values() if t.streamed)}.")
     zero1 = None
-    if where.shard_state_over is not None and tier != tiers_lib.DISK_TIER:
+    if where.shard_state_over is not None and why is None:
       zero1 = tiers_lib.zero1_sharding(p, where.shard_state_over, owner)
     # The state is split like the param (ZeRO-1: further); None on one device or where the split is unseen.
     state_sharding = zero1 or (None if placed is placement.UNSEEN else placed)
@@ -453,7 +453,7 @@ def assign_slices(leaves: Sequence[LeafPlan], shapes: Sequence[Sequence[int]],
   out = list(leaves)
   for i, (leaf, shape) in enumerate(zip(leaves, shapes)):
     sharding = leaf.state_sharding
-    if (leaf.tier != tiers_lib.HOST_STATE_TIER or len(shape) < 2 or shape[0] < 2
+    if (not tiers_lib.BY_NAME[leaf.tier].crosses_in_slices or len(shape) < 2 or shape[0] < 2
         or tiers_lib.whole_leading_axes(sharding, len(shape)) < 1):
       continue
     share = lambda rows: tuple(sharding.shard_shape((rows, *shape[1:]))) if sharding else (rows, *shape[1:])

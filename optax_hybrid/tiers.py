@@ -45,10 +45,53 @@ TIERS = (DEVICE_TIER, HOST_STATE_TIER, HOST_TIER, DISK_TIER)
 #: What ``state_memory_kind`` takes per leaf: the memory kinds (the state there, the update where the param
 #: lives) and the tier names (the update where the tier says), ``"device"`` being both.
 PLACEMENTS = (placement.DEVICE_KIND, placement.HOST_KIND, HOST_STATE_TIER, HOST_TIER, DISK_TIER)
+
+
+@dataclasses.dataclass(frozen=True)
+class Tier:
+  """What a tier is, once: where a leaf's state lives, where its update runs, how its data crosses.
+
+  The plan reads a leaf's tier here (:attr:`optax_hybrid.plan.LeafPlan.tier`
+  names it) instead of comparing names; a placement a tier cannot serve is
+  refused by it at ``init``.
+
+  Attributes:
+    name: the ``state_memory_kind`` value.
+    state_kind: the memory kind of the state in memory (the moments; for the
+      disk tier, whose moments are files, the master copy).
+    runs_on: ``"device"`` or ``"host"`` (host compute): where the update runs.
+    streamed: the leaf's data crosses the bus each step, in stages.
+    files: the rule's fields are files (the disk tier's).
+    crosses_in_slices: a leaf larger than a stage crosses in slices of rows of
+      its state (the state goes to the device, is stepped there and comes
+      back).
+    single_device_why: why the tier serves only params on one device (None:
+      it serves params split over several, ZeRO-1 included).
+    packable: ``state_layout="packed"`` can hold its state (one device's
+      memory).
+  """
+
+  name: str
+  state_kind: str
+  runs_on: str = "device"
+  streamed: bool = False
+  files: bool = False
+  crosses_in_slices: bool = False
+  single_device_why: str | None = None
+  packable: bool = False
+
+
+#: The tiers, by name.
+BY_NAME = {t.name: t for t in (
+    Tier(DEVICE_TIER, placement.DEVICE_KIND, packable=True),
+    Tier(HOST_STATE_TIER, placement.HOST_KIND, streamed=True, crosses_in_slices=True),
+    Tier(HOST_TIER, placement.HOST_KIND, runs_on="host", streamed=True),
+    Tier(DISK_TIER, placement.HOST_KIND, files=True,
+         single_device_why="its ordered file callbacks cannot run in a multi-device computation"),
+)}
 #: The memory kind of each tier's state in memory: the moments, or for the disk
 #: tier (moments in files) the master copy.
-STATE_KIND = {DEVICE_TIER: placement.DEVICE_KIND, HOST_STATE_TIER: placement.HOST_KIND,
-              HOST_TIER: placement.HOST_KIND, DISK_TIER: placement.HOST_KIND}
+STATE_KIND = {name: tier.state_kind for name, tier in BY_NAME.items()}
 
 PlacementSpec = Any  # None | str | Callable[[tuple, Any], str | None] | a pytree prefix of str | Fractions
 TierSpec = PlacementSpec  # its name when ``tiers=`` took it
@@ -323,5 +366,5 @@ def whole_leading_axes(sharding: Any, ndim: int) -> int:
 
 
 __all__ = ["DEVICE_TIER", "DISK_TIER", "Fractions", "HOST_STATE_TIER", "HOST_TIER", "PLACEMENTS", "PlacementSpec",
-           "STATE_KIND", "TIERS", "TierSpec", "by_fraction", "check_fraction", "check_placement_spec",
+           "STATE_KIND", "TIERS", "BY_NAME", "Tier", "TierSpec", "by_fraction", "check_fraction", "check_placement_spec",
            "whole_leading_axes", "pick_by_fraction", "resolve", "zero1_sharding"]

@@ -412,3 +412,21 @@ def test_the_plan_is_immutable_hashable_static_data():
   with pytest.raises(dataclasses.FrozenInstanceError):
     plan.leaves[0].tier = "device"
   assert jax.tree.leaves(plan) == []  # static: no arrays in the tree
+
+
+def test_each_tier_is_one_value_that_the_plan_reads():
+  """docs/tiers.md, one row per tier: where the state lives, where the update runs, what crosses the bus."""
+  t = tiers.BY_NAME
+  assert set(t) == set(tiers.TIERS)
+  assert [n for n in tiers.TIERS if t[n].state_kind == "device"] == ["device"]
+  assert [n for n in tiers.TIERS if t[n].runs_on == "host"] == ["host"]
+  assert [n for n in tiers.TIERS if t[n].streamed] == ["host_state", "host"]
+  assert [n for n in tiers.TIERS if t[n].files] == ["disk"]
+  assert [n for n in tiers.TIERS if t[n].single_device_why] == ["disk"]
+  assert [n for n in tiers.TIERS if t[n].packable] == ["device"]
+  params = {"w": jnp.ones((4, 8))}
+  for name in tiers.TIERS:
+    if name != "device" and "pinned_host" not in optax_hybrid.available_memory_kinds():
+      continue
+    lp = optax_hybrid.hybrid_adamw(1e-3, state_memory_kind=name).init(params).plan.leaves[0]
+    assert (lp.runs_on, lp.streamed, lp.on_disk) == (t[name].runs_on, t[name].streamed, t[name].files), name
