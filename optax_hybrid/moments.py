@@ -105,6 +105,10 @@ class MomentFormat:
     """The arrays of one field's stored value (the inverse of :meth:`stored`)."""
     return [stored]
 
+  def stored_fields(self, arrays: Sequence[Sequence[Any]]) -> tuple:
+    """:meth:`stored` of each field's arrays, at once."""
+    return tuple(self.stored(a) for a in arrays)
+
   def nbytes(self, shape: Sequence[int], dtype: Any) -> int:
     """Bytes of one field of a leaf of ``shape``."""
     return sum(int(np.prod(s)) * np.dtype(d).itemsize for _, s, d in self.arrays(shape, dtype))

@@ -165,7 +165,7 @@ def _leaf_values(lp: LeafPlan, i: int, names: tuple, entries: list[dict], owner:
       if field[suffix] is None:
         raise ValueError(f"{owner}: the state keeps {lp.moments.name} values for {lp.path} but has no "
                          f"`state.{name}{suffix}` for them; make the state with this optimizer's init.")
-  return tuple(lp.moments.stored([field[suffix][i] for suffix in suffixes]) for field in entries)
+  return lp.moments.stored_fields([[field[suffix][i] for suffix in suffixes] for field in entries])
 
 
 def _param_leaves(params: Any, treedef: Any, plan: Plan, write_params: bool) -> list:
@@ -203,10 +203,13 @@ def _check_gradient(lp: LeafPlan, plan: Plan, g: Any, values: tuple, param: Any,
   dtype = g.dtype if hasattr(g, "dtype") else jnp.result_type(g)
   if not jnp.issubdtype(dtype, jnp.inexact):
     raise inexact_leaf_error("gradient", lp.path, dtype, owner)
-  like = lp.moments.arrays_of(values[0])[0] if values else param  # the field's own array: shaped like the leaf
-  if like is not None and np.shape(g) != tuple(like.shape):
+  shape = lp.shape
+  if shape is None:  # a plan written by hand: the field's own array is shaped like the leaf
+    like = lp.moments.arrays_of(values[0])[0] if values else param
+    shape = None if like is None else tuple(like.shape)
+  if shape is not None and np.shape(g) != shape:
     raise ValueError(f"{owner}: the gradient at {lp.path} has shape {np.shape(g)} but its optimizer state has "
-                     f"shape {tuple(like.shape)}.")
+                     f"shape {shape}.")
   signed = [(f.name, d) for f, d in zip(plan.fields, lp.dtypes) if not f.real]  # complex for a complex param
   if signed:
     wanted, what = np.dtype(signed[0][1]), f"state `{signed[0][0]}`"

@@ -70,6 +70,8 @@ class LeafPlan:
     param_kind: the memory kind the param lives in.
     param_dtype: the param's dtype (what a master format's kept values are
       read against when a checkpoint is restored across formats).
+    shape: the param's shape, which its gradient and each field's values
+      have (None: not recorded, in a plan written by hand).
     state_kind: the memory kind of the in-memory state: the rule's fields,
       and the master copy (for the disk tier, whose fields are files, the master).
     dtypes: the dtype of each field's values (:attr:`Plan.fields`): the
@@ -137,6 +139,7 @@ class LeafPlan:
   master_dtype: Any = None
   master: Any = masters.NO_MASTER
   param_dtype: Any = None
+  shape: tuple | None = None
   decay: bool = False
   state_sharding: Any = None
   gather_to: Any = None
@@ -354,7 +357,7 @@ def make_plan(params: Any, rule: Any, options: Options) -> Plan:
         path=path, tier=tier, param_kind=placement.param_memory_kind(p),
         state_kind=kind, dtypes=field_dtypes(p.dtype, rule, storage, key_path, owner),
         master=leaf_master, master_dtype=leaf_master.stored_dtype(p.dtype),
-        param_dtype=np.dtype(p.dtype),
+        param_dtype=np.dtype(p.dtype), shape=tuple(np.shape(p)),
         decay=decay, state_sharding=state_sharding, gather_to=None if zero1 is None else placed,
         moments=stored_as, row_axes=row_axes,
         draws_as=() if whole_path is None else (whole_path, first_row * int(np.prod(np.shape(p)[1:])))))
