@@ -38,14 +38,13 @@ What it gives up (the user's tree of arrays keeps all of it):
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any, Callable, Hashable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from optax_hybrid import _compat
+from optax_hybrid import _compat, flat_buffers
 from optax_hybrid.paths import path_name
 
 
@@ -72,27 +71,14 @@ class Group:
 
 
 @dataclasses.dataclass(frozen=True)
-class LeafSlot:
-  """Where one leaf of the user's tree is: group ``group``, elements ``[offset, offset + size)`` of a row."""
-
-  path: str
-  group: int
-  offset: int
-  shape: tuple
-
-  @property
-  def size(self) -> int:
-    return math.prod(self.shape)
-
-
-@dataclasses.dataclass(frozen=True)
 class FlatLayout:
   """The static part of a :class:`FlatParams` (its pytree aux data), made once by :func:`flatten_params`.
 
   Attributes:
     treedef: the user's tree structure.
     groups: one :class:`Group` per flat buffer, in the children's order.
-    slots: one :class:`LeafSlot` per leaf of the user's tree, in its leaf order.
+    slots: one :class:`optax_hybrid.flat_buffers.Slot` per leaf of the user's tree, in its leaf order (its
+      buffer: the group's index).
     length: the stacked leading length ``L`` (None: not stacked).
   """
 
@@ -170,7 +156,7 @@ class FlatParams:
     """
     for group, buffer in zip(self.layout.groups, self.buffers):
       _check_buffer(self.layout, group, buffer)
-    return self.layout.treedef.unflatten([_view(self.buffers[s.group], s) for s in self.layout.slots])
+    return self.layout.treedef.unflatten([flat_buffers.view(self.buffers[s.buffer], s) for s in self.layout.slots])
 
   def mask_by_group(self, fn: Callable[[Group], bool]) -> "FlatParams":
     """A mask shaped like these params (a :class:`FlatParams` of bools): ``fn(group)`` for each group.
@@ -229,7 +215,7 @@ class FlatParams:
 
 def _agreed(layout: FlatLayout, group: int, values: list) -> bool:
   """The one mask value of ``group``'s leaves; raises naming two leaves that disagree."""
-  own = [(s.path, bool(v)) for s, v in zip(layout.slots, values) if s.group == group]
+  own = [(s.path, bool(v)) for s, v in zip(layout.slots, values) if s.buffer == group]
   if len({v for _, v in own}) > 1:
     yes = next(p for p, v in own if v)
     no = next(p for p, v in own if not v)
@@ -249,13 +235,6 @@ def _check_buffer(layout: FlatLayout, group: Group, buffer: Any) -> None:
     raise ValueError(f"FlatParams.as_tree: group {group.name!r} must hold an array of shape {want}; got {got}. "
                      "Its buffers are made by flatten_params; a transformation that changes their shape (or a "
                      "mask of bools) has no tree of views.")
-
-
-def _view(buffer: Any, slot: LeafSlot) -> Any:
-  if buffer.ndim == 1:
-    return jax.lax.slice_in_dim(buffer, slot.offset, slot.offset + slot.size).reshape(slot.shape)
-  rows = jax.lax.slice_in_dim(buffer, slot.offset, slot.offset + slot.size, axis=1)
-  return rows.reshape((buffer.shape[0], *slot.shape))
 
 
 def _flatten(flat: FlatParams) -> tuple:
@@ -324,17 +303,11 @@ def flatten_params(params: Any, *, group: Callable[[str, Any], Hashable] | None 
   keys = [_group_key(group, name, x) for name, x in zip(names, leaves)]
   order = list(dict.fromkeys(keys))
   members = [[i for i, k in enumerate(keys) if k == key] for key in order]
-  slots, sizes = [None] * len(leaves), []
-  for g, indices in enumerate(members):
-    offset = 0
-    for i in indices:
-      shape = tuple(leaves[i].shape[1:] if stacked else leaves[i].shape)
-      slots[i] = LeafSlot(names[i], g, offset, shape)
-      offset += slots[i].size
-    sizes.append(offset)
-  groups = _named_groups(order, sizes, group is not None)
+  slots, sizes = flat_buffers.lay_out(names, [order.index(k) for k in keys],
+                                      [x.shape[1:] if stacked else x.shape for x in leaves])
+  groups = _named_groups(order, [sizes[g] for g in range(len(order))], group is not None)
   buffers = tuple(_concatenate([leaves[i] for i in indices], length) for indices in members)
-  return FlatParams(buffers, FlatLayout(treedef, groups, tuple(slots), length))
+  return FlatParams(buffers, FlatLayout(treedef, groups, slots, length))
 
 
 def _as_array(name: str, leaf: Any) -> Any:

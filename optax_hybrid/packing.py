@@ -33,29 +33,15 @@ What it gives up (the default keeps all of it):
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from optax_hybrid import placement, tiers as tiers_lib
+from optax_hybrid import flat_buffers, placement, tiers as tiers_lib
 from optax_hybrid.kernels.packed import PackedSlice, is_packed
 from optax_hybrid.plan import Plan, keeps
-
-
-@dataclasses.dataclass(frozen=True)
-class Slot:
-  """Where one leaf's array of one attribute is: pool ``pool`` from element ``offset``, shaped ``shape``."""
-
-  pool: str
-  offset: int
-  shape: tuple
-
-  @property
-  def size(self) -> int:
-    return math.prod(self.shape)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,8 +52,9 @@ class Layout:
     treedef: the params' tree structure (the state no longer shows it).
     pools: per params-shaped attribute (in the state's order), its pools as
       ``(key, dtype name, size)``.
-    slots: per attribute, one :class:`Slot` per leaf (None where the leaf
-      keeps nothing there: no master, no 8-bit scales).
+    slots: per attribute, one :class:`optax_hybrid.flat_buffers.Slot` per
+      leaf, its buffer the pool's key (None where the leaf keeps nothing
+      there: no master, no 8-bit scales).
   """
 
   treedef: Any
@@ -126,17 +113,14 @@ def make_layout(plan: Plan, params: Any, attributes: Sequence[str]) -> Layout:
     _check_packable(plan, lp, p)
   pools, slots = [], []
   for attribute in attributes:
-    sizes, dtypes, leaf_slots = {}, {}, []
-    for i, (lp, p) in enumerate(zip(plan.leaves, params)):
-      if not keeps(lp, attribute):
-        leaf_slots.append(None)
-        continue
-      shape, dtype = _array(plan, i, attribute, tuple(np.shape(p)))
-      key = _pool_key(dtype, lp)
-      leaf_slots.append(Slot(key, sizes.get(key, 0), tuple(shape)))
-      sizes[key], dtypes[key] = sizes.get(key, 0) + math.prod(shape), dtype.name
+    arrays = [_array(plan, i, attribute, tuple(np.shape(p))) if keeps(lp, attribute) else None
+              for i, (lp, p) in enumerate(zip(plan.leaves, params))]
+    keys = [None if a is None else _pool_key(a[1], lp) for a, lp in zip(arrays, plan.leaves)]
+    leaf_slots, sizes = flat_buffers.lay_out([lp.path for lp in plan.leaves], keys,
+                                             [() if a is None else a[0] for a in arrays])
+    dtypes = {k: a[1].name for k, a in zip(keys, arrays) if k is not None}
     pools.append((attribute, tuple((k, dtypes[k], n) for k, n in sizes.items())))
-    slots.append((attribute, tuple(leaf_slots)))
+    slots.append((attribute, leaf_slots))
   return Layout(treedef, tuple(pools), tuple(slots))
 
 
@@ -160,7 +144,7 @@ def pack(plan: Plan, attribute: str, arrays: Sequence[Any]) -> dict[str, Any]:
   slots = plan.layout.slots_of(attribute)
   out = {}
   for key, dtype, size in plan.layout.pools_of(attribute):
-    members = [x for x, slot in zip(arrays, slots) if slot is not None and slot.pool == key]
+    members = [x for x, slot in zip(arrays, slots) if slot is not None and slot.buffer == key]
     if any(isinstance(x, jax.ShapeDtypeStruct) for x in members):
       out[key] = jax.ShapeDtypeStruct((size,), np.dtype(dtype), sharding=getattr(members[0], "sharding", None))
     else:
@@ -187,7 +171,7 @@ def leaf_state(state: Any, plan: Plan) -> tuple[list[tuple], list[Any]]:
   for attribute in plan.layout.attributes:
     pools = _pools(state, plan, attribute)
     values[attribute] = [None if slot is None else
-                         PackedSlice(pools[slot.pool], (attribute, slot.pool), slot.offset, slot.shape)
+                         PackedSlice(pools[slot.buffer], (attribute, slot.buffer), slot.offset, slot.shape)
                          for slot in plan.layout.slots_of(attribute)]
   fields = [tuple(lp.moments.stored([values[n + suffix][i] for suffix in ("",) + lp.moments.suffixes])
                   for n in names) for i, lp in enumerate(plan.leaves)]
@@ -205,7 +189,7 @@ def repacked(plan: Plan, attribute: str, values: Sequence[Any]) -> dict[str, Any
   slots = plan.layout.slots_of(attribute)
   out = {}
   for key, _, _ in plan.layout.pools_of(attribute):
-    members = [(slot, x) for slot, x in zip(slots, values) if slot is not None and slot.pool == key]
+    members = [(slot, x) for slot, x in zip(slots, values) if slot is not None and slot.buffer == key]
     stepped = [x.pool for _, x in members if is_packed(x)]
     if not stepped:
       out[key] = jnp.concatenate([jnp.ravel(x) for _, x in members])
@@ -218,4 +202,4 @@ def repacked(plan: Plan, attribute: str, values: Sequence[Any]) -> dict[str, Any
   return out
 
 
-__all__ = ["Layout", "Slot", "leaf_state", "make_layout", "pack", "repacked"]
+__all__ = ["Layout", "leaf_state", "make_layout", "pack", "repacked"]

@@ -240,8 +240,8 @@ def _packed_slices(key_path: Any, node: Any, plan: Plan):
     for sub_path, slot in zip(paths, plan.layout.slots_of(field)):
       if slot is None:
         continue
-      where = f"opt_state{jax.tree_util.keystr(key_path)}.{field}[{slot.pool!r}] slice of {path_name(sub_path)!r}"
-      placed = copy.copy(_Placed(pools[slot.pool], where, numpy_ok=True))
+      where = f"opt_state{jax.tree_util.keystr(key_path)}.{field}[{slot.buffer!r}] slice of {path_name(sub_path)!r}"
+      placed = copy.copy(_Placed(pools[slot.buffer], where, numpy_ok=True))
       placed.shape, placed.size = slot.shape, slot.size
       placed.nbytes = slot.size * placed.dtype.itemsize
       if placed.sharding is not None and len(placed.sharding.device_set) != 1:
