@@ -442,8 +442,7 @@ def to_host(x: Any, sharding: Any = None, *, one_device: bool | None = None) -> 
   ``x @ w``) then fails the compile at ``end-of-post-layout_assignment``
   ("The async-start expects the async shape ... to match"). Constrained to
   row-major before the copy, the layout propagates back to its producer
-  (the matmul writes row-major: no extra copy, measured on the H100 target;
-  docs/gpu_compile.md).
+  (the matmul writes row-major: no extra copy; docs/gpu_compile.md).
 
   Args:
     x: an array or tracer.

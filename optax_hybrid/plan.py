@@ -21,9 +21,7 @@ What crosses the bus, and when, is decided here:
   in host temporaries for the ``host`` tier), while one stage's copies in
   still overlap the previous stage's copies out. Without that order XLA starts
   every copy as early as it can and holds the whole model's state on the
-  device (measured on the H100 target: 13.5 bytes per parameter of device
-  temporaries for fp32 master and moments, against 2.5-4 with stages;
-  ``docs/gpu_compile.md``).
+  device in temporaries (``docs/gpu_compile.md``).
 """
 
 from __future__ import annotations
@@ -53,9 +51,8 @@ STREAM_STAGE_BYTES = 64 * 2**20
 # and at most two stages' inputs and one stage's results are staged, whatever
 # order XLA picks for the rest. Host computations run one after another
 # anyway, and with two stages independent of each other XLA merges their host
-# calls (measured on the H100 target: 3 host calls for 5 fp32 stages, host
-# temporaries the whole state); waiting for the previous stage's stored
-# results keeps one call per stage.
+# calls (whose temporaries then hold the whole state); waiting for the previous
+# stage's stored results keeps one call per stage.
 STREAM_WAITS = {"device": (1, 2), "host": (0, 1)}
 
 

@@ -175,8 +175,8 @@ def _slice(tree: Any, i: Any) -> Any:
   """Slice ``i`` of each stacked array of ``tree``, on the device, row-major.
 
   Row-major, so that a layer's use of it (a matmul reading it transposed)
-  never makes layout assignment transpose the whole stack instead (measured on
-  the H200 target: a second copy of the saved carries, 2 carries per layer).
+  never makes layout assignment transpose the whole stack instead (which kept
+  a second copy of the saved carries).
   Not for a stack on several devices (:func:`_may_be_split`): it may be split
   over a mesh in ways the trace cannot see, and XLA's partitioner gives a layout constraint
   (a custom call) a whole operand: each GPU gathered each layer once more
@@ -201,9 +201,8 @@ def _buffer_like_stack(tree: Any) -> Any:
   device and copied over the bus each step. For a stack on several devices
   (:func:`_may_be_split`) it may be split in ways the trace cannot see, and
   ``lax.empty`` (a custom call XLA's partitioner cannot split) kept a whole
-  gradient on every device (measured on an H200 node, width 512: 0.35 MB per
-  layer per GPU more device memory and 0.37 MB more over the bus than
-  zeros, which the partitioner splits like the gradient slices written
+  gradient on every device (more device memory and bus traffic per layer
+  than zeros, which the partitioner splits like the gradient slices written
   into them).
   """
   def buffer(a):
@@ -223,8 +222,7 @@ def _saved_buffer(carry: Any, length: int, offload: bool) -> Any:
   written into them (a carry split over the batch on a mesh), where an
   uninitialized buffer (``lax.empty``, a custom call it cannot split) or a
   layout constraint on it was kept whole on every device: the device grew
-  by the whole batch's carry per layer instead of its share (measured on an
-  H200 node, 8 to 16 layers: 95.6 MB per layer against a 16.8 MB share).
+  by the whole batch's carry per layer instead of its share.
   In host memory, uninitialized: zeros would be made on the device and
   copied, a device temporary as large as the stack.
   """
