@@ -82,6 +82,8 @@ def test_a_stack_split_over_a_mesh_is_planned_per_device():
     assert r["specs"][f"['layers'].{part}['b']"] == "P(None, 'fsdp')"
     assert r["placed"][f"['layers'].{part}['w']"] == kind
   assert r["specs"]["['head']"] == "P('fsdp', None)" and r["placed"]["['head']"] == "device"
+  # Every placement's compiled step returns each param and state leaf with the sharding it took.
+  assert [(p["resident"], p["state"]) for p in r["every"] if not p["kept_shardings"]] == []
 
 
 def test_resident_layers_are_stepped_into_their_stack_in_place():
