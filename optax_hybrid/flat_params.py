@@ -303,7 +303,8 @@ def flatten_params(params: Any, *, group: Callable[[str, Any], Hashable] | None 
   keys = [_group_key(group, name, x) for name, x in zip(names, leaves)]
   order = list(dict.fromkeys(keys))
   members = [[i for i, k in enumerate(keys) if k == key] for key in order]
-  slots, sizes = flat_buffers.lay_out(names, [order.index(k) for k in keys],
+  index = {key: g for g, key in enumerate(order)}
+  slots, sizes = flat_buffers.lay_out(names, [index[k] for k in keys],
                                       [x.shape[1:] if stacked else x.shape for x in leaves])
   groups = _named_groups(order, [sizes[g] for g in range(len(order))], group is not None)
   buffers = tuple(_concatenate([leaves[i] for i in indices], length) for indices in members)

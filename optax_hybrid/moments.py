@@ -70,6 +70,13 @@ class MomentFormat:
   kernels: tuple[str, ...] = ()
   in_row_slices: bool = False
 
+  # Derived once (read in the traced step, where a property would be a call per leaf): the suffix of each array a
+  # field keeps, in the order of ``arrays``: "" (the field's own attribute), then ``suffixes``.
+  attribute_suffixes: tuple[str, ...] = dataclasses.field(init=False, repr=False, compare=False)
+
+  def __post_init__(self):
+    object.__setattr__(self, "attribute_suffixes", ("",) + self.suffixes)
+
   def applies_to(self, shape: Sequence[int], dtype: Any, last_axis_shards: int = 1) -> bool:
     """Whether a leaf of ``shape`` and ``dtype``, its state's last axis split in ``last_axis_shards``, takes it."""
     del shape, dtype, last_axis_shards

@@ -173,8 +173,8 @@ def leaf_state(state: Any, plan: Plan) -> tuple[list[tuple], list[Any]]:
     values[attribute] = [None if slot is None else
                          PackedSlice(pools[slot.buffer], (attribute, slot.buffer), slot.offset, slot.shape)
                          for slot in plan.layout.slots_of(attribute)]
-  fields = [tuple(lp.moments.stored([values[n + suffix][i] for suffix in ("",) + lp.moments.suffixes])
-                  for n in names) for i, lp in enumerate(plan.leaves)]
+  fields = [lp.moments.stored_fields([[values[n + suffix][i] for suffix in lp.moments.attribute_suffixes]
+                                      for n in names]) for i, lp in enumerate(plan.leaves)]
   return fields, values.get("master", [None] * len(plan.leaves))
 
 

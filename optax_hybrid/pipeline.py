@@ -156,7 +156,7 @@ def _field_entries(state: Any, treedef: Any, plan: Plan) -> list[dict]:
 
 def _leaf_values(lp: LeafPlan, i: int, names: tuple, entries: list[dict], owner: str) -> tuple:
   """Leaf ``i``'s field values as the step reads them, in its moment format: its entries or (disk) its files."""
-  suffixes = ("",) + lp.moments.suffixes
+  suffixes = lp.moments.attribute_suffixes
   if lp.on_disk:
     files = dict(lp.files)
     return tuple(lp.moments.stored([files[name + suffix] for suffix in suffixes]) for name in names)

@@ -328,7 +328,7 @@ def make_plan(params: Any, rule: Any, options: Options) -> Plan:
   static_zeros = rule.static_zeros()
   decays = ([False] * len(with_paths) if rule.decay is None or "weight_decay" in static_zeros
             else mask_leaves(options.mask, params, jax.tree.structure(params), owner))
-  master = storage.master_format
+  master, asked_moments = storage.master_format, storage.moments
   in_stacks = stacks.stack_rows(params)  # the leaves of split stacks' parts: their rows in the whole stack
   leaves = []
   for (key_path, p), tier, kind, decay in zip(with_paths, tiers, kinds, decays):
@@ -348,7 +348,7 @@ def make_plan(params: Any, rule: Any, options: Options) -> Plan:
     state_sharding = zero1 or (None if placed is placement.UNSEEN else placed)
     leaf_master = master if master.applies_to(p.dtype) else masters.NO_MASTER
     row_axes = None if placed is None else tiers_lib.whole_leading_axes(state_sharding or placed, np.ndim(p))
-    stored_as = storage.moments if bool(rule.fields) and storage.moments.applies_to(
+    stored_as = asked_moments if bool(rule.fields) and asked_moments.applies_to(
         stored_shape, p.dtype, _last_axis_shards(state_sharding, np.ndim(p))) else moments_lib.AS_STORED
     leaves.append(LeafPlan(
         path=path, tier=tier, param_kind=placement.param_memory_kind(p),

@@ -255,7 +255,7 @@ def _state_of_placeholder(placeholder: Any, rule: UpdateRule, o: Options) -> Any
   count = jnp.zeros([], jnp.int32)
   if o.storage.state_layout == "packed":
     placeholder = _PACKED
-  fields = {f.name + suffix: placeholder for suffix in ("",) + o.storage.moments.suffixes for f in rule.fields}
+  fields = {f.name + suffix: placeholder for suffix in o.storage.moments.attribute_suffixes for f in rule.fields}
   return _make_state(rule, count=count, skipped=count, plan=_NO_PLAN,
                      master=placeholder if _keeps_masters(o) else None, **fields)
 
@@ -303,7 +303,8 @@ def _leaf_state(param: Any, lp: LeafPlan, plan: Plan, initial: tuple, with_maste
                                   placed(array_dtype, content, shape=array_shape))
     # A donated step must not get one buffer twice: an empty entry for each attribute the format does not keep.
     for suffix in moments_lib.SUFFIXES:
-      out.setdefault(field.name + suffix, empty(_UNKEPT_DTYPE))
+      if field.name + suffix not in out:
+        out[field.name + suffix] = empty(_UNKEPT_DTYPE)
   if lp.master_dtype is not None:  # what the master format keeps: a copy of the param, or zeros
     start = lp.master.initial(param)  # None: zeros
     if start is None:
@@ -351,7 +352,7 @@ def _init(params: Any, rule: UpdateRule, o: Options, disk_store: list, stepped_r
       disk_store[:] = [disk.DiskStore(o.placement.nvme_offload_dir)]
     plan = _with_disk_files(plan, param_leaves, disk_store[0], initial)
   with_master = _keeps_masters(o)
-  names = [f.name + suffix for suffix in ("",) + o.storage.moments.suffixes for f in rule.fields]
+  names = [f.name + suffix for suffix in o.storage.moments.attribute_suffixes for f in rule.fields]
   names += ["master"] * with_master
   if o.storage.state_layout == "packed":  # checked before any state is made
     plan = dataclasses.replace(plan, layout=packing.make_layout(plan, params, names))
@@ -666,7 +667,7 @@ def moment_values(opt_state: Any) -> tuple[Any, ...]:
     for i, lp in enumerate(plan.leaves):
       files = dict(lp.files)
       arrays = [files[field.name + suffix] if lp.on_disk else entries[suffix][i]
-                for suffix in ("",) + lp.moments.suffixes]
+                for suffix in lp.moments.attribute_suffixes]
       values.append(lp.moments.decode(lp.moments.stored([read(a) for a in arrays]), signed=field.signed))
     out.append(treedef.unflatten(values))
   return tuple(out)

@@ -192,9 +192,9 @@ def _leaf_result(leaf: LeafOperands, fact: LeafFacts, s: Any, step: Step, offset
   here to be stepped whole, at their ``offset`` in the leaf).
   """
   # A format that decodes to float32 temporaries (8-bit) is stepped in slices of rows when large.
-  sliced = (fact.moments.in_row_slices if fact.moments is not None else
-            bool(leaf.state) and isinstance(leaf.state[0], quantized.QuantizedMoment))
-  if sliced and leaf.state and leaf.grad.size > SLICE_VALUES:
+  sliced = bool(leaf.state) and (fact.moments.in_row_slices if fact.moments is not None else
+                                 isinstance(leaf.state[0], quantized.QuantizedMoment))
+  if sliced and leaf.grad.size > SLICE_VALUES:
     lead = _row_axes(leaf, fact)
     row = math.prod(leaf.grad.shape[lead:])
     if lead > 0 and leaf.grad.size // row > max(1, SLICE_VALUES // row):
