@@ -595,9 +595,7 @@ def capacity_figures(setup: str, layers: int, target: str, devices: int = 1) -> 
   return dict(setup=setup, layers=layers, params=n, devices=devices, **fields, device=report.device_peak_bytes,
               host=report.host_peak_bytes, host_argument=report.host_argument_bytes, host_temp=report.host_temp_bytes,
               to_device=report.to_device_bytes, to_host=report.to_host_bytes, warnings=len(report.warnings),
-              hlo_file=hlo_file, kept_shardings=list(report.output_shardings[:len(jax.tree.leaves((params, state)))]) == [
-                  str(x.sharding._to_xla_hlo_sharding(len(x.shape))) for x in jax.tree.leaves((params, state))]
-              if devices > 1 else True)
+              hlo_file=hlo_file, kept_shardings=report.kept_shardings((params, state)) if devices > 1 else True)
 
 
 def host_bytes_by_field(params, state, gradient_buffer: bool) -> dict:

@@ -293,6 +293,11 @@ def xla_device_list(devices: Sequence[Any]) -> Any:
   return xla_client.DeviceList(tuple(devices))
 
 
+def hlo_sharding_of(x: Any) -> Any:
+  """The ``HloSharding`` of an array's (or ``jax.ShapeDtypeStruct``'s) sharding, as XLA writes a program's."""
+  return x.sharding._to_xla_hlo_sharding(len(x.shape))  # private in JAX 0.10 and 0.11
+
+
 def hlo_sharding(op_sharding: Any) -> Any:
   """The ``HloSharding`` of an ``OpSharding`` proto (what an executable's ``get_output_shardings`` gives)."""
   from jax._src.lib import xla_client  # private in JAX 0.10 and 0.11

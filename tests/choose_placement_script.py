@@ -90,12 +90,11 @@ def compile_by_hand(resident: int, resident_state: str) -> dict:
   params, kinds = placed_by_hand(resident, resident_state)
   tx = tx_for(kinds)
   batch = BATCH if FSDP > 1 else S(BATCH.shape, BATCH.dtype, sharding=ONE)
-  report = gpu_compile.compile_for_gpu(step_for(tx), params, tx.init(params), batch, target="h200",
-                                       num_devices=FSDP, donate_argnums=(0, 1))
-  leaves = jax.tree.leaves((params, tx.init(params)))
+  state = tx.init(params)
+  report = gpu_compile.compile_for_gpu(step_for(tx), params, state, batch, target="h200", num_devices=FSDP,
+                                       donate_argnums=(0, 1))
   # On a mesh: each param and state leaf comes out of the step split and placed as it went in.
-  kept = FSDP == 1 or list(report.output_shardings[:len(leaves)]) == [
-      str(x.sharding._to_xla_hlo_sharding(len(x.shape))) for x in leaves]
+  kept = FSDP == 1 or report.kept_shardings((params, state))
   return dict(resident=resident, state=resident_state, device=report.device_peak_bytes, host=report.host_peak_bytes,
               bus=report.to_device_bytes + report.to_host_bytes, stack_copies=stack_copies(report.hlo, resident),
               kept_shardings=kept)

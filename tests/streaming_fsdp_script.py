@@ -143,12 +143,10 @@ def compile_node(layers, in_backward, width=512):
   state = tx.init(params)
   report = gpu_compile.compile_for_gpu(train_step(cfg, tx, in_backward, NamedSharding(MESH, P("fsdp"))), params,
                                        state, batch, target="h200", num_devices=8, donate_argnums=(0, 1))
-  inputs = jax.tree.leaves((params, state))
   shard_bytes = lambda x: int(np.prod(x.sharding.shard_shape(x.shape))) * np.dtype(x.dtype).itemsize
   layer_leaves = jax.tree.leaves((params["layers"], state.mu["layers"], state.nu["layers"],
                                   state.mu_scales["layers"], state.nu_scales["layers"]))
-  return dict(report=report, kept=list(report.output_shardings[:len(inputs)]) == [
-      str(x.sharding._to_xla_hlo_sharding(len(x.shape))) for x in inputs],
+  return dict(report=report, kept=report.kept_shardings((params, state)),
       layer_host_bytes=sum(shard_bytes(x) for x in layer_leaves) / layers,
       layer_param_bytes=sum(shard_bytes(x) for x in jax.tree.leaves(params["layers"])) / layers,
       carry_bytes=cfg.batch * cfg.seq * cfg.width * 2 // 8)

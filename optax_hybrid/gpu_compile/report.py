@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import jax
+
 from optax_hybrid import _compat
 from optax_hybrid.gpu_compile.hlo import HloSummary, count_hlo
 from optax_hybrid.gpu_compile.step_time import HARDWARE, Hardware, StepTime, estimate
@@ -94,6 +96,12 @@ class GpuCompileReport(HloSummary):
                          "(an optax_hybrid.gpu_compile.step_time.Hardware).")
       hardware = self.target
     return estimate(self, hardware)
+
+  def kept_shardings(self, tree: Any) -> bool:
+    """Whether the program's first results are split as ``tree``'s leaves (arrays or ``jax.ShapeDtypeStruct`` s
+    with shardings) went in, leaf for leaf: a step that returns its params and state where it took them."""
+    leaves = jax.tree.leaves(tree)
+    return list(self.output_shardings[:len(leaves)]) == [str(_compat.hlo_sharding_of(x)) for x in leaves]
 
   def as_dict(self) -> dict:
     """The figures as a JSON-friendly dict (no HLO, no log)."""
