@@ -253,11 +253,11 @@ def speed_table(args) -> None:
             f"{6 * n * tokens / c.step_seconds / PEAK_FLOPS:.1%} | {adamw} |", flush=True)
 
 
-def compile_split(layers: int, resident: int, resident_state: str, sizes: dict, target: str,
-                  devices: int = 1) -> dict:
+def compile_placement(layers: int, resident: int, resident_state: str, sizes: dict, target: str,
+                      devices: int = 1):
   """``resident`` layers on the device (their state in ``resident_state``), the rest streamed with their state in
   host memory: a placement named here (not the planner's choice), placed by ``StackPlacement``; the step compiled
-  whole."""
+  whole. Returns its report and the model's params."""
   from optax_hybrid import gpu_compile
   params, batch, step = model_at(layers, sizes, devices)
   rest_state = resident_state if resident else "host_state"
@@ -266,6 +266,13 @@ def compile_split(layers: int, resident: int, resident_state: str, sizes: dict, 
   placed, tx = placement.place(params), optimizer(placement.state_memory_kind)
   report = gpu_compile.compile_for_gpu(step(tx), placed, tx.init(placed), batch, target=target,
                                        num_devices=devices, donate_argnums=(0, 1))
+  return report, params
+
+
+def compile_split(layers: int, resident: int, resident_state: str, sizes: dict, target: str,
+                  devices: int = 1) -> dict:
+  """:func:`compile_placement`'s figures."""
+  report, _ = compile_placement(layers, resident, resident_state, sizes, target, devices)
   return dict(resident=resident, state=resident_state, device=report.device_peak_bytes, host=report.host_peak_bytes,
               bus_in=report.to_device_bytes, bus_out=report.to_host_bytes)
 
@@ -322,15 +329,9 @@ def check_split(args) -> None:
 
 def breakdown(args) -> None:
   """The step-time estimate of ``--breakdown K`` resident layers (state in host memory) of ``--layers``, by part."""
-  from optax_hybrid import gpu_compile
   sizes = dict(QUICK if args.quick else LLAMA, batch=args.batch)
-  params, batch, step = model_at(args.layers, sizes)
   k = args.breakdown
-  placement = optax_hybrid.StackPlacement("layers", args.layers, k, "host_state", "host_state", args.target,
-                                          0.0, 0.0, None, None, 0.0, 0.0)
-  placed, tx = placement.place(params), optimizer(placement.state_memory_kind)
-  report = gpu_compile.compile_for_gpu(step(tx), placed, tx.init(placed), batch, target=args.target,
-                                       donate_argnums=(0, 1))
+  report, params = compile_placement(args.layers, k, "host_state", sizes, args.target)
   t, n = report.step_time(), num_params(params)
   tokens = args.batch * sizes["seq"]
   print(f"\n{args.layers} layers ({n / 1e9:.2f} B params), {k} resident (state in host memory) / "
