@@ -263,7 +263,8 @@ def match_type_to_sharding(x: Any) -> Any:
 # ``DeviceList``, which JAX 0.10 and 0.11 build only through private modules.
 
 
-def xla_compile_options(num_partitions: int, devices: Sequence[Any], dump_to: str | None = None) -> Any:
+def xla_compile_options(num_partitions: int, devices: Sequence[Any], dump_to: str | None = None,
+                        disabled_passes: Sequence[str] = ()) -> Any:
   """XLA compile options for one replica partitioned over ``devices`` (SPMD).
 
   Args:
@@ -272,6 +273,8 @@ def xla_compile_options(num_partitions: int, devices: Sequence[Any], dump_to: st
     dump_to: a directory where XLA:GPU writes what it compiled, its thunk plan
       included (``--xla_dump_to`` and ``--xla_gpu_experimental_dump_gpu_executable``
       for this compile only); None: no dump.
+    disabled_passes: names of XLA passes not to run in this compile
+      (``--xla_disable_hlo_passes``).
 
   Returns:
     An ``xla_client.CompileOptions`` as ``jax.jit`` would build it.
@@ -284,6 +287,9 @@ def xla_compile_options(num_partitions: int, devices: Sequence[Any], dump_to: st
   if dump_to is not None:  # per compile, as JAX itself overrides flags (env_option_overrides)
     options.env_option_overrides = list(options.env_option_overrides) + [
         ("xla_dump_to", dump_to), ("xla_gpu_experimental_dump_gpu_executable", True)]
+  if disabled_passes:
+    options.env_option_overrides = list(options.env_option_overrides) + [
+        ("xla_disable_hlo_passes", ",".join(disabled_passes))]
   return options
 
 

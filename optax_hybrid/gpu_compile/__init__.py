@@ -84,7 +84,7 @@ from optax_hybrid.gpu_compile.hlo import (
 from optax_hybrid.gpu_compile.jaxpr_check import host_arithmetic_outside_host_compute
 from optax_hybrid.gpu_compile.plugin import GpuCompileError, cuda_plugin_dir, install_cuda_plugin
 from optax_hybrid.gpu_compile.report import GpuCompileReport
-from optax_hybrid.gpu_compile.targets import load_target, target_device_memory_bytes
+from optax_hybrid.gpu_compile.targets import load_target, rematerialization_limit, target_device_memory_bytes
 from optax_hybrid.gpu_compile.thunks import CommandBuffers, parse_thunk_plan, read_command_buffers
 
 # Bound here as well as imported: Sphinx reads a constant's docstring from the module that documents it.
@@ -126,6 +126,7 @@ __all__ = [
     "parse_hlo",
     "parse_thunk_plan",
     "read_command_buffers",
+    "rematerialization_limit",
     "step_time",
     "target_device_memory_bytes",
     "thunks",

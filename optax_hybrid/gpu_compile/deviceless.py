@@ -19,6 +19,9 @@ from optax_hybrid.kernels.contract import lowering_for
 
 __all__ = ["compile_for_gpu", "compile_lowered"]
 
+# XLA's pass that recomputes values, when a program needs more than the device's memory, to bring it under.
+_REMATERIALIZATION = "rematerialization"
+
 
 @contextlib.contextmanager
 def _captured_stderr() -> Iterator[list]:
@@ -64,7 +67,8 @@ def _jitted(fn: Callable, donate_argnums: Sequence[int] | int, jit_kwargs: dict)
 
 
 def compile_for_gpu(fn: Callable, *args: Any, target: str = "h100", num_devices: int = 1,
-                    donate_argnums: Sequence[int] | int = (), **jit_kwargs: Any) -> GpuCompileReport:
+                    donate_argnums: Sequence[int] | int = (), recompute: bool = True,
+                    **jit_kwargs: Any) -> GpuCompileReport:
   """Compiles ``fn(*args)`` for a GPU target without a GPU and reports what XLA planned.
 
   ``fn`` is traced on the running backend with ``args`` (arrays or
@@ -84,6 +88,11 @@ def compile_for_gpu(fn: Callable, *args: Any, target: str = "h100", num_devices:
     target: ``"h100"``, ``"h200"`` or a ``GpuTargetConfig`` text proto file.
     num_devices: GPUs in the topology (``"1x1xN"``), one SPMD partition each.
     donate_argnums: as for ``jax.jit``.
+    recompute: whether XLA may recompute values to fit the device, as it
+      does on the GPU (its rematerialization pass, on by default). False:
+      the memory plan of the program as written, whatever it needs, and its
+      flops as written: what a placement costs before XLA trades flops for
+      memory.
     **jit_kwargs: other ``jax.jit`` options (``in_shardings``, ``static_argnums``...).
 
   Returns:
@@ -117,10 +126,11 @@ def compile_for_gpu(fn: Callable, *args: Any, target: str = "h100", num_devices:
   # Declared so that the optimizer's kernel choice is CUDA's (kernels.lowering_for).
   with lowering_for("cuda"):
     lowered = _jitted(fn, donate_argnums, jit_kwargs).trace(*args).lower(lowering_platforms=("cuda",))
-  return compile_lowered(lowered, target=target, num_devices=num_devices)
+  return compile_lowered(lowered, target=target, num_devices=num_devices, recompute=recompute)
 
 
-def compile_lowered(lowered: Any, target: str = "h100", num_devices: int = 1) -> GpuCompileReport:
+def compile_lowered(lowered: Any, target: str = "h100", num_devices: int = 1,
+                    recompute: bool = True) -> GpuCompileReport:
   """Compiles an already lowered function for a GPU target (see :func:`compile_for_gpu`).
 
   Lower once and compile for several targets: ``with
@@ -134,6 +144,7 @@ def compile_lowered(lowered: Any, target: str = "h100", num_devices: int = 1) ->
     target: ``"h100"``, ``"h200"`` or a ``GpuTargetConfig`` text proto file.
     num_devices: GPUs in the topology; the function must have been traced on
       as many devices.
+    recompute: as for :func:`compile_for_gpu`.
 
   Returns:
     A :class:`GpuCompileReport`.
@@ -146,7 +157,8 @@ def compile_lowered(lowered: Any, target: str = "h100", num_devices: int = 1) ->
   log: list = []
   # XLA writes its thunk plan (which kernels run from command buffers) only into a dump: one per compile.
   with tempfile.TemporaryDirectory(prefix="optax_hybrid_gpu_dump_") as dump_dir:
-    options = _compat.xla_compile_options(num_devices, devices, dump_to=dump_dir)
+    options = _compat.xla_compile_options(num_devices, devices, dump_to=dump_dir,
+                                          disabled_passes=() if recompute else (_REMATERIALIZATION,))
     try:
       with _captured_stderr() as log:
         executable = devices[0].client.compile(module, executable_devices=_compat.xla_device_list(devices),

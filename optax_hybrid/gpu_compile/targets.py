@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import re
 
-__all__ = ["TARGETS", "load_target", "target_device_memory_bytes"]
+__all__ = ["TARGETS", "load_target", "rematerialization_limit", "target_device_memory_bytes"]
 
 _TARGET_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu_targets")
 TARGETS = {"h100": "h100.txtpb", "h200": "h200.txtpb"}
@@ -56,3 +56,32 @@ def target_device_memory_bytes(target: str) -> int:
   if match is None:
     raise ValueError(f"Target {target!r} has no device_memory_size.")
   return int(match.group(1))
+
+
+def rematerialization_limit(target: str, io_bytes: float) -> float:
+  r"""The scratch bytes above which XLA:GPU recomputes values to bring a program under its memory limit.
+
+  XLA:GPU's limit for its scheduler and its rematerialization pass
+  (``GetSchedulerMemoryLimit`` in XLA's ``gpu_hlo_schedule.cc``):
+
+  .. math:: s\,(0.8\,M - \mathrm{io})
+
+  with :math:`M` the target's device memory, io the program's device inputs
+  and outputs (a donated input and the output that reuses it counted once)
+  and :math:`s` the slop factor (``--xla_gpu_memory_limit_slop_factor``, read
+  from ``XLA_FLAGS``; 95% by default). A program whose scratch
+  (``GpuCompileReport.device_temp_bytes``) is above it gets recomputation
+  (more flops) from XLA, even with room left on the device. XLA measures the
+  scratch before its last passes, so near the limit it may recompute a little
+  below it.
+
+  Args:
+    target: as for :func:`load_target`.
+    io_bytes: the device bytes of the program's inputs and outputs
+      (``device_peak_bytes - device_temp_bytes``).
+
+  Returns:
+    The limit in bytes (negative when the inputs and outputs alone exceed it).
+  """
+  slop = re.search(r"--xla_gpu_memory_limit_slop_factor=(\d+)", os.environ.get("XLA_FLAGS", ""))
+  return (int(slop.group(1)) if slop else 95) / 100 * (0.8 * target_device_memory_bytes(target) - io_bytes)
