@@ -14,9 +14,9 @@ each way (XLA's memory plan and the bytes its copies move, read from the
 compiled program) and, unless the whole stack fits on the device with its
 state, at three splits ``k`` resident layers + ``L - k`` streamed (an
 :class:`optax_hybrid.SplitStack`) per resident way; predicts every placement
-from those lines, takes the one that fits both budgets and moves the fewest
-bytes over the bus (then: the most layers resident), and compiles it at full
-depth to confirm it.
+from those lines, takes the one that fits both budgets without XLA
+recomputing to fit and moves the fewest bytes over the bus (then: the most
+layers resident), and compiles it at full depth to confirm it.
 The result, a :class:`StackPlacement`, places the params and names each
 leaf's ``state_memory_kind``.
 """
@@ -36,18 +36,23 @@ from optax_hybrid import stacks
 LAYER_WAYS = ("device", "host_state", "streamed")
 # The splits compiled per resident way, (resident, streamed) layers: a base and a slope per part.
 SPLIT_PROBES = ((2, 2), (4, 2), (2, 4))
+# A compiled step with more dot flops than its probes' line by more than this recomputes (XLA's rematerialization).
+RECOMPUTE_TOLERANCE = 0.01
 BUDGET_FRACTION = 0.9  # of each memory: room for the CUDA context, the allocator's fragmentation, the process
 _GB = 1e9
 
 
 @dataclasses.dataclass(frozen=True)
 class Cost:
-  """A compiled (or predicted) train step's figures: peak bytes per memory and bytes over the bus per step."""
+  """A compiled (or predicted) train step's figures: peak bytes per memory, bytes over the bus per step, the
+  device's scratch bytes (``device_temp_bytes``) and the dots' flops per step."""
 
   device: float
   host: float
   bus_in: float
   bus_out: float
+  device_temp: float = 0.0
+  flops: float = 0.0
 
   def fits(self, device_budget: float, host_budget: float) -> bool:
     return self.device <= device_budget and self.host <= host_budget
@@ -84,6 +89,9 @@ class StackPlacement:
       (``(resident_layers, resident_state, Cost)``), if any.
     num_devices: the devices the params are split over (FSDP on a mesh), 1
       on one device; the figures and budgets are each device's.
+    flops_as_written: the dots' flops per step of this placement as its
+      probes' lines give them (no recomputation), to compare with
+      ``compiled.flops``.
   """
 
   stack: str
@@ -101,10 +109,17 @@ class StackPlacement:
   probes: dict = dataclasses.field(repr=False, default_factory=dict, compare=False, hash=False)
   rejected: tuple = dataclasses.field(repr=False, default=(), compare=False, hash=False)
   num_devices: int = 1
+  flops_as_written: float = float("nan")
 
   @property
   def streamed_layers(self) -> int:
     return self.num_layers - self.resident_layers
+
+  @property
+  def recomputes(self) -> bool:
+    """Whether XLA recomputes values in the chosen step to keep it under its memory limit (more flops than the
+    placement as written): chosen only when no placement fits both budgets without."""
+    return bool(self.compiled.flops > (1 + RECOMPUTE_TOLERANCE) * self.flops_as_written)
 
   def place(self, params: Any) -> Any:
     """``params`` with the stack placed: a :class:`~optax_hybrid.SplitStack` (or a whole stack in one memory).
@@ -143,7 +158,8 @@ class StackPlacement:
         f"host:   {_size(c.host)} of {_size(self.host_budget)} (predicted {_size(p.host)})",
         f"bus per step: {_size(c.bus_in)} in, {_size(c.bus_out)} out",
         f"estimated step: {self.step_seconds:.4f} s (lower bound {self.step_lower_bound:.4f} s)",
-    ])
+    ] + ([f"XLA recomputes to fit: {self.compiled.flops / self.flops_as_written:.2f}x the flops as written (no "
+          f"placement fits both budgets without)"] if self.recomputes else []))
 
 
 def choose_placement(optimizer: Callable[..., Any], step: Callable[[Any], Callable], params: Any, batch: Any, *,
@@ -165,11 +181,18 @@ def choose_placement(optimizer: Callable[..., Any], step: Callable[[Any], Callab
   predicted to fit ``budget_fraction`` of each memory, the one with the
   fewest bus bytes (then the most resident layers, then state on the device)
   is compiled at full depth. If it does not fit, what the prediction missed
-  is spread over that way's resident layers and the next best is compiled;
-  if it fits, the prediction is made exact there and a placement predicted
-  to move fewer bytes still (a guess that left room) is compiled in turn.
-  The best that fit, after at most ``max_confirms`` full-depth compiles, is
-  the choice.
+  is spread over that way's resident layers and the next best is compiled.
+  If it fits with more flops than predicted, XLA recomputed values to keep
+  it under its own memory limit, a cost in time: it is compiled as written
+  (``recompute=False``) to make the prediction exact there, and from then on
+  a placement must also keep its device scratch under XLA's limit
+  (:func:`optax_hybrid.gpu_compile.rematerialization_limit`, lowered to
+  where XLA recomputed). If it fits, the prediction is made exact there and
+  a placement predicted to move fewer bytes still (a guess that left room)
+  is compiled in turn. The best that fit, after at most ``max_confirms``
+  full-depth compiles, is the choice. Only if none fits without recomputing
+  is the search run again letting XLA recompute (the largest models), and
+  :attr:`StackPlacement.recomputes` says so.
 
   Nothing of ``params`` is read but shapes, dtypes and shardings; nothing
   is moved. Place the params with :meth:`StackPlacement.place` and build
@@ -202,7 +225,7 @@ def choose_placement(optimizer: Callable[..., Any], step: Callable[[Any], Callab
       a mesh, each device's budget is its share: ``host_bytes`` over the
       mesh's devices of this process.
     budget_fraction: the share of each memory a placement may use.
-    max_confirms: full-depth compiles tried, at most.
+    max_confirms: full-depth compiles tried per search, at most.
     probes: the :attr:`StackPlacement.probes` of an earlier choice for the
       same model, batch, optimizer and target at any depth (the lines do
       not depend on it): its compiles are not repeated (planning for
@@ -251,7 +274,7 @@ def choose_placement(optimizer: Callable[..., Any], step: Callable[[Any], Callab
                      f"{_size(device_budget)} ({budget_fraction:.0%} of `device_bytes`). Give more device memory, "
                      f"or stack more of the model.")
 
-  def compile_at(depth: int, resident: int, resident_state: str) -> tuple[Cost, Any]:
+  def compile_at(depth: int, resident: int, resident_state: str, recompute: bool = True) -> tuple[Cost, Any]:
     chosen = StackPlacement(stack, depth, resident, resident_state, _rest_state(resident, resident_state), target,
                             device_budget, host_budget, None, None, 0.0, 0.0, num_devices=num_devices)
     tx = optimizer(chosen.state_memory_kind)
@@ -259,9 +282,9 @@ def choose_placement(optimizer: Callable[..., Any], step: Callable[[Any], Callab
       raise ValueError(f"{owner}: `optimizer` must return an optimizer (with init); got {type(tx).__name__}.")
     p = chosen.place(_with_stack(abstract, stack, _rows(layers_abstract, depth)))
     report = gpu_compile.compile_for_gpu(step(tx), p, tx.init(p), abstract_batch, target=target,
-                                         num_devices=num_devices, donate_argnums=(0, 1))
-    return Cost(report.device_peak_bytes, report.host_peak_bytes, report.to_device_bytes,
-                report.to_host_bytes), report
+                                         num_devices=num_devices, donate_argnums=(0, 1), recompute=recompute)
+    return Cost(report.device_peak_bytes, report.host_peak_bytes, report.to_device_bytes, report.to_host_bytes,
+                report.device_temp_bytes, gpu_compile.step_time.estimate(report).flops), report
 
   layers_abstract = _abstract_stack(_stack_of(abstract, stack, owner))
   depths = sorted({min(2, length), min(4, length)})
@@ -284,11 +307,7 @@ def choose_placement(optimizer: Callable[..., Any], step: Callable[[Any], Callab
           probes[f"split {way}", resident, streamed] = compile_at(resident + streamed, resident, way)[0]
       splits[way] = _plane(probes, f"split {way}")
 
-  # What each full-depth compile taught: per way, a correction per resident layer (XLA's plan at full depth is
-  # not always the line through small depths), so that the next guess accounts for it.
-  corrections = {way: Cost(0, 0, 0, 0) for way in ("device", "host_state")}
-
-  def predict(k: int, resident_state: str) -> Cost:
+  def predict(k: int, resident_state: str, corrections: dict | None = None) -> Cost:
     if k == 0:
       return _at(lines["streamed"], length)
     if k == length:
@@ -298,37 +317,70 @@ def choose_placement(optimizer: Callable[..., Any], step: Callable[[Any], Callab
     else:
       base, per_resident, per_streamed = splits[resident_state]
       cost = base.plus(per_resident, k).plus(per_streamed, length - k)
-    return cost.plus(corrections[resident_state], k)
+    return cost if corrections is None else cost.plus(corrections[resident_state], k)
+
+  confirmed = {}  # (k, resident_state, recompute): the full-depth compile, made once for both searches
+
+  def confirm(k: int, resident_state: str, recompute: bool = True) -> tuple[Cost, Any]:
+    if (k, resident_state, recompute) not in confirmed:
+      confirmed[k, resident_state, recompute] = compile_at(length, k, resident_state, recompute)
+    return confirmed[k, resident_state, recompute]
 
   ways = [(k, r) for r in ("device", "host_state") for k in range(length + 1) if not (k == 0 and r == "device")]
   bus = lambda cost: cost.bus_in + cost.bus_out
-  tried, rejected, best = set(), [], None
-  while len(tried) < max_confirms:
-    whole_on_device = (length, "device") not in tried and predict(length, "device").fits(device_budget, host_budget)
-    if not splits and length >= 2 and not whole_on_device:
-      measure_splits()
-    candidates = [(k, r, cost) for k, r in ways if (cost := predict(k, r)) is not None]
-    fitting = sorted((c for c in candidates if c[2].fits(device_budget, host_budget) and c[:2] not in tried
-                      and (best is None or (bus(c[2]), -c[0]) < (bus(best[2]), -best[0]))),
-                     key=lambda c: (bus(c[2]), -c[0], c[1] != "device"))
-    if not fitting:
-      if best is None and not rejected:
-        raise ValueError(_short(candidates, device_budget, host_budget, budget_fraction, length, stack, owner))
-      break
-    k, resident_state, predicted = fitting[0]
-    tried.add((k, resident_state))
-    compiled, report = compile_at(length, k, resident_state)
-    missed = compiled.plus(predicted, -1)
-    if compiled.fits(device_budget, host_budget):
-      best = (k, resident_state, compiled, predicted, report)
-      if k:  # the prediction made exact at k: a guess that left room is followed by one that uses it
+  # XLA's rematerialization limit, heeded once a compile has recomputed (before that XLA's word is its compile):
+  # its own rule, scaled down where a compile recomputed under it.
+  limit_scale = [None]
+  under_limit = lambda cost: limit_scale[0] is None or cost.device_temp <= limit_scale[0] * (
+      gpu_compile.rematerialization_limit(target, cost.device - cost.device_temp))
+
+  def search(recompute: bool) -> tuple[Any, list, list]:
+    """The best placement that fits (without XLA recomputing, unless ``recompute``), the placements predicted to
+    fit that did not, and the last candidates."""
+    # What each full-depth compile taught: per way, a correction per resident layer (XLA's plan at full depth is
+    # not always the line through small depths), so that the next guess accounts for it.
+    corrections = {way: Cost(0, 0, 0, 0) for way in ("device", "host_state")}
+    allowed = lambda cost: cost.fits(device_budget, host_budget) and (recompute or under_limit(cost))
+    tried, rejected, best, candidates = set(), [], None, []
+    while len(tried) < max_confirms:
+      whole_on_device = (length, "device") not in tried and allowed(predict(length, "device", corrections))
+      if not splits and length >= 2 and not whole_on_device:
+        measure_splits()
+      candidates = [(k, r, cost) for k, r in ways if (cost := predict(k, r, corrections)) is not None]
+      fitting = sorted((c for c in candidates if allowed(c[2]) and c[:2] not in tried
+                        and (best is None or (bus(c[2]), -c[0]) < (bus(best[2]), -best[0]))),
+                       key=lambda c: (bus(c[2]), -c[0], c[1] != "device"))
+      if not fitting:
+        break
+      k, resident_state, predicted = fitting[0]
+      tried.add((k, resident_state))
+      compiled, report = confirm(k, resident_state)
+      fits = compiled.fits(device_budget, host_budget)
+      if fits and not recompute and compiled.flops > (1 + RECOMPUTE_TOLERANCE) * predicted.flops:
+        # XLA recomputed to fit: the placement as written teaches the prediction, and where XLA's limit really is.
+        written, _ = confirm(k, resident_state, recompute=False)
+        limit = gpu_compile.rematerialization_limit(target, written.device - written.device_temp)
+        limit_scale[0] = min(1.0 if limit_scale[0] is None else limit_scale[0],
+                             max(0.0, 0.99 * written.device_temp / limit) if limit > 0 else 0.0)
+        compiled, fits = written, False
+      missed = compiled.plus(predicted, -1)
+      if fits:
+        best = (k, resident_state, compiled, predicted, report)
+        if k:  # the prediction made exact at k: a guess that left room is followed by one that uses it
+          corrections[resident_state] = corrections[resident_state].plus(
+              Cost(*(x / k for x in dataclasses.astuple(missed))))
+        continue
+      rejected.append((k, resident_state, compiled))
+      if k:  # spread what the prediction missed over the resident layers of this way
         corrections[resident_state] = corrections[resident_state].plus(
-            Cost(*(x / k for x in dataclasses.astuple(missed))))
-      continue
-    rejected.append((k, resident_state, compiled))
-    if k:  # spread what the prediction missed over the resident layers of this way
-      corrections[resident_state] = corrections[resident_state].plus(
-          Cost(*(max(x, 0.0) / k for x in dataclasses.astuple(missed))))
+            Cost(*(max(x, 0.0) / k for x in dataclasses.astuple(missed))))
+    return best, rejected, candidates
+
+  best, rejected, _ = search(recompute=False)
+  if best is None:  # nothing fits unless XLA recomputes: the largest models
+    best, rejected, candidates = search(recompute=True)
+    if best is None and not rejected:
+      raise ValueError(_short(candidates, device_budget, host_budget, budget_fraction, length, stack, owner))
   if best is not None:
     k, resident_state, compiled, predicted, report = best
     estimate = report.step_time() if _has_hardware(target, gpu_compile) else None
@@ -336,7 +388,8 @@ def choose_placement(optimizer: Callable[..., Any], step: Callable[[Any], Callab
                           host_budget, compiled, predicted,
                           float("nan") if estimate is None else estimate.seconds,
                           float("nan") if estimate is None else estimate.lower_bound,
-                          probes=probes, rejected=tuple(rejected), num_devices=num_devices)
+                          probes=probes, rejected=tuple(rejected), num_devices=num_devices,
+                          flops_as_written=predict(k, resident_state).flops)
   k, resident_state, compiled = rejected[0]
   raise ValueError(
       f"{owner}: {len(rejected)} placements predicted to fit did not when compiled at full depth ({length} "

@@ -7,6 +7,12 @@ With ``--fsdp N`` the params are split over a mesh of ``N`` devices as FSDP
 code splits them (each matrix on its width axis, the batch on its first) and
 every placement is compiled for ``N`` H200; only the choice is printed.
 
+With ``--recompute`` a deeper, wider stack is compiled for an H200 of 65 MB
+(its ``GpuTargetConfig`` with a smaller ``device_memory_size``), where XLA
+recomputes to fit some placements that fit the budget: prints
+``{"case": "recompute", ...}``, every placement compiled here with its flops,
+the flops of the stack as written, and the choice.
+
 Prints JSON lines: ``{"case": "choice", ...}`` (the budgets, the choice, and
 every placement of the stack compiled here, independently of the planner,
 with its figures) and ``{"case": "numbers", ...}`` (the chosen placement and
@@ -18,8 +24,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import re
 import sys
+import tempfile
 
 import jax
 import jax.numpy as jnp
@@ -29,8 +37,12 @@ import optax_hybrid
 from optax_hybrid import gpu_compile
 
 FSDP = int(sys.argv[sys.argv.index("--fsdp") + 1]) if "--fsdp" in sys.argv else 1
+RECOMPUTE = "--recompute" in sys.argv
 # Split over a mesh, a width whose layer shards outweigh what each device holds besides them (the collectives').
 L, D, V, B = 4, 128 if FSDP == 1 else 1024, 256, 32
+if RECOMPUTE:  # layers whose params weigh as much as the activations: XLA's limit moves with the layers resident
+  L, D, B = 8, 1024, 512
+SMALL_MEMORY = 65e6
 S = jax.ShapeDtypeStruct
 
 
@@ -86,18 +98,18 @@ def placed_by_hand(resident: int, resident_state: str):
   return {**rest, "layers": layers}, kinds
 
 
-def compile_by_hand(resident: int, resident_state: str) -> dict:
+def compile_by_hand(resident: int, resident_state: str, target: str = "h200", recompute: bool = True) -> dict:
   params, kinds = placed_by_hand(resident, resident_state)
   tx = tx_for(kinds)
   batch = BATCH if FSDP > 1 else S(BATCH.shape, BATCH.dtype, sharding=ONE)
   state = tx.init(params)
-  report = gpu_compile.compile_for_gpu(step_for(tx), params, state, batch, target="h200", num_devices=FSDP,
-                                       donate_argnums=(0, 1))
+  report = gpu_compile.compile_for_gpu(step_for(tx), params, state, batch, target=target, num_devices=FSDP,
+                                       donate_argnums=(0, 1), recompute=recompute)
   # On a mesh: each param and state leaf comes out of the step split and placed as it went in.
   kept = FSDP == 1 or report.kept_shardings((params, state))
   return dict(resident=resident, state=resident_state, device=report.device_peak_bytes, host=report.host_peak_bytes,
               bus=report.to_device_bytes + report.to_host_bytes, stack_copies=stack_copies(report.hlo, resident),
-              kept_shardings=kept)
+              kept_shardings=kept, flops=gpu_compile.step_time.estimate(report).flops)
 
 
 def stack_copies(hlo: str, resident: int) -> int:
@@ -137,6 +149,26 @@ def choice() -> dict:
               specs={jax.tree_util.keystr(p): str(getattr(x.sharding, "spec", None))
                      for p, x in jax.tree_util.tree_leaves_with_path(chosen.place(PARAMS))},
               host_budget=chosen.host_budget, num_devices=chosen.num_devices)
+
+
+def recompute_case() -> dict:
+  """A device of 65 MB: the choice against every placement compiled here as XLA compiles it (recomputing where it
+  needs to) and the stack's flops as written."""
+  text = re.sub(r"device_memory_size:\s*\d+", f"device_memory_size: {int(SMALL_MEMORY)}", gpu_compile.load_target("h200"))
+  with tempfile.TemporaryDirectory() as directory:
+    target = os.path.join(directory, "h200_65mb.txtpb")
+    with open(target, "w") as f:
+      f.write(text)
+    every = [compile_by_hand(k, r, target) for r in ("device", "host_state") for k in range(L + 1)
+             if (k, r) != (0, "device")]
+    written = compile_by_hand(0, "host_state", target, recompute=False)["flops"]
+    chosen = optax_hybrid.choose_placement(tx_for, step_for, PARAMS, BATCH, target=target, device_bytes=SMALL_MEMORY,
+                                           host_bytes=1e9)
+  c = chosen.compiled
+  return dict(case="recompute", every=every, written_flops=written, device_budget=chosen.device_budget,
+              host_budget=chosen.host_budget, resident=chosen.resident_layers, state=chosen.resident_state,
+              device=c.device, host=c.host, bus=c.bus_in + c.bus_out, flops=c.flops, recomputes=chosen.recomputes,
+              flops_as_written=chosen.flops_as_written, table=chosen.table())
 
 
 def run(params, tx, steps: int = 3):
@@ -182,6 +214,9 @@ def errors() -> dict:
 
 
 if __name__ == "__main__":
+  if RECOMPUTE:
+    print(json.dumps(recompute_case()), flush=True)
+    sys.exit()
   chosen, record = choice()
   print(json.dumps(record), flush=True)
   if FSDP > 1:
