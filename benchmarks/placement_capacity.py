@@ -234,13 +234,14 @@ def speed_table(args) -> None:
           f"choose_placement finds; step_in_backward, 8-bit moments, master='stochastic'; compile-time estimates, "
           f"jax {jax.__version__}:\n")
     print("| params | layers | resident (state) / streamed | device GB | host GB | bus in / out B/weight | "
-          "est. step s | bound s | step / bound | tokens/s | MFU (6N) | optax.adamw step s (tokens/s) |")
-    print("|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|")
+          "est. step s | bound s | step / bound | tokens/s | MFU (6N) | flops per weight per token | "
+          "optax.adamw step s (tokens/s) |")
+    print("|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---|")
     for size in sizes_b:
       layers = max(1, round((size * 1e9 - rest) / per_layer))
       r = choose(layers, sizes, 2e8 if args.quick else 256e9, args.target, probes, 64e6 if args.quick else None)
       if r is None:
-        print(f"| {size:g} B | {layers} | does not fit | | | | | | | | | |", flush=True)
+        print(f"| {size:g} B | {layers} | does not fit | | | | | | | | | | |", flush=True)
         continue
       c, n = r["chosen"], r["params"]
       tokens = batch * sizes["seq"]
@@ -250,7 +251,8 @@ def speed_table(args) -> None:
             f"{c.compiled.device / GB:.1f} | {c.compiled.host / GB:.1f} | {c.compiled.bus_in / n:.2f} / "
             f"{c.compiled.bus_out / n:.2f} | {c.step_seconds:.3f} | {c.step_lower_bound:.3f} | "
             f"{c.step_seconds / c.step_lower_bound:.2f} | {tokens / c.step_seconds:,.0f} | "
-            f"{6 * n * tokens / c.step_seconds / PEAK_FLOPS:.1%} | {adamw} |", flush=True)
+            f"{6 * n * tokens / c.step_seconds / PEAK_FLOPS:.1%} | {c.compiled.flops / n / tokens:.1f}"
+            f"{' (XLA recomputes to fit)' if c.recomputes else ''} | {adamw} |", flush=True)
 
 
 def compile_placement(layers: int, resident: int, resident_state: str, sizes: dict, target: str,
