@@ -652,25 +652,13 @@ def moment_values(opt_state: Any) -> tuple[Any, ...]:
   state = found[0]
   plan = state.plan
   read = lambda x: jnp.asarray(disk.read(x) if isinstance(x, disk.DiskMoment) else jax.device_get(x))
-  if plan.layout is not None:
-    values, _ = packing.leaf_state(state, plan)
-    on_host = lambda x: jax.tree.map(read, packed.read(x))  # an array, or 8-bit codes and scales
-    return tuple(plan.layout.treedef.unflatten(
-        [lp.moments.decode(on_host(v[k]), signed=field.signed) for lp, v in zip(plan.leaves, values)])
-        for k, field in enumerate(plan.fields))
-  treedef = jax.tree.structure(getattr(state, "master" if not plan.fields else plan.field_names[0]))
-  out = []
-  for field in plan.fields:
-    entries = {suffix: (None if (tree := getattr(state, field.name + suffix)) is None
-                        else treedef.flatten_up_to(tree)) for suffix in ("",) + moments_lib.SUFFIXES}
-    values = []
-    for i, lp in enumerate(plan.leaves):
-      files = dict(lp.files)
-      arrays = [files[field.name + suffix] if lp.on_disk else entries[suffix][i]
-                for suffix in lp.moments.attribute_suffixes]
-      values.append(lp.moments.decode(lp.moments.stored([read(a) for a in arrays]), signed=field.signed))
-    out.append(treedef.unflatten(values))
-  return tuple(out)
+  # A stored value read into host arrays, whatever holds it: the state's arrays, packed slices, files on disk.
+  on_host = lambda lp, stored: lp.moments.stored([read(a) for a in lp.moments.arrays_of(packed.read(stored))])
+  values = pipeline.stored_values(state, plan)
+  treedef = plan.layout.treedef if plan.layout is not None else jax.tree.structure(
+      getattr(state, plan.field_names[0] if plan.fields else "master"))
+  return tuple(treedef.unflatten([lp.moments.decode(on_host(lp, v[k]), signed=field.signed)
+                                  for lp, v in zip(plan.leaves, values)]) for k, field in enumerate(plan.fields))
 
 
 __all__ = ["HybridOptimizer", "StepInParts", "building_block", "moment_values", "optimizer", "params_shaped_fields"]
