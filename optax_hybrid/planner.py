@@ -118,7 +118,8 @@ class StackPlacement:
   @property
   def recomputes(self) -> bool:
     """Whether XLA recomputes values in the chosen step to keep it under its memory limit (more flops than the
-    placement as written): chosen only when no placement fits both budgets without."""
+    placement as written): chosen only when no placement fits both budgets without, or when its step is
+    estimated faster than the best that does (it moves fewer bytes)."""
     return bool(self.compiled.flops > (1 + RECOMPUTE_TOLERANCE) * self.flops_as_written)
 
   def place(self, params: Any) -> Any:
@@ -158,8 +159,8 @@ class StackPlacement:
         f"host:   {_size(c.host)} of {_size(self.host_budget)} (predicted {_size(p.host)})",
         f"bus per step: {_size(c.bus_in)} in, {_size(c.bus_out)} out",
         f"estimated step: {self.step_seconds:.4f} s (lower bound {self.step_lower_bound:.4f} s)",
-    ] + ([f"XLA recomputes to fit: {self.compiled.flops / self.flops_as_written:.2f}x the flops as written (no "
-          f"placement fits both budgets without)"] if self.recomputes else []))
+    ] + ([f"XLA recomputes to fit: {self.compiled.flops / self.flops_as_written:.2f}x the flops as written"]
+         if self.recomputes else []))
 
 
 def choose_placement(optimizer: Callable[..., Any], step: Callable[[Any], Callable], params: Any, batch: Any, *,
@@ -190,8 +191,11 @@ def choose_placement(optimizer: Callable[..., Any], step: Callable[[Any], Callab
   where XLA recomputed). If it fits, the prediction is made exact there and
   a placement predicted to move fewer bytes still (a guess that left room)
   is compiled in turn. The best that fit, after at most ``max_confirms``
-  full-depth compiles, is the choice. Only if none fits without recomputing
-  is the search run again letting XLA recompute (the largest models), and
+  full-depth compiles, is the choice. If XLA recomputed along the way, the
+  search runs again letting it recompute, and its result is the choice when
+  nothing fits without (the largest models) or when its step is estimated
+  faster (:mod:`optax_hybrid.gpu_compile.step_time`, for a target with
+  hardware figures: fewer bytes over the bus can outweigh the flops);
   :attr:`StackPlacement.recomputes` says so.
 
   Nothing of ``params`` is read but shapes, dtypes and shardings; nothing
@@ -356,12 +360,14 @@ def choose_placement(optimizer: Callable[..., Any], step: Callable[[Any], Callab
       tried.add((k, resident_state))
       compiled, report = confirm(k, resident_state)
       fits = compiled.fits(device_budget, host_budget)
-      if fits and not recompute and compiled.flops > (1 + RECOMPUTE_TOLERANCE) * predicted.flops:
+      as_written = predict(k, resident_state).flops  # the lines' flops: the corrections may hold recomputation
+      if fits and not recompute and compiled.flops > (1 + RECOMPUTE_TOLERANCE) * as_written:
         # XLA recomputed to fit: the placement as written teaches the prediction, and where XLA's limit really is.
         written, _ = confirm(k, resident_state, recompute=False)
         limit = gpu_compile.rematerialization_limit(target, written.device - written.device_temp)
+        # Lowered only where XLA recomputed under its rule's limit; over it, the rule already says so.
         limit_scale[0] = min(1.0 if limit_scale[0] is None else limit_scale[0],
-                             max(0.0, 0.99 * written.device_temp / limit) if limit > 0 else 0.0)
+                             0.99 * written.device_temp / limit if limit > 0 else 1.0)
         compiled, fits = written, False
       missed = compiled.plus(predicted, -1)
       if fits:
@@ -376,14 +382,21 @@ def choose_placement(optimizer: Callable[..., Any], step: Callable[[Any], Callab
             Cost(*(max(x, 0.0) / k for x in dataclasses.astuple(missed))))
     return best, rejected, candidates
 
+  timed = _has_hardware(target, gpu_compile)
   best, rejected, _ = search(recompute=False)
-  if best is None:  # nothing fits unless XLA recomputes: the largest models
-    best, rejected, candidates = search(recompute=True)
-    if best is None and not rejected:
-      raise ValueError(_short(candidates, device_budget, host_budget, budget_fraction, length, stack, owner))
+  if best is None or (timed and limit_scale[0] is not None):
+    # Nothing fits unless XLA recomputes (the largest models), or XLA recomputed in a placement that moves fewer
+    # bytes: the best placement XLA fits by recomputing, taken if nothing else fits or its step is estimated faster.
+    recomputing, rejected_too, candidates = search(recompute=True)
+    if best is None:
+      best, rejected = recomputing, rejected_too
+      if best is None and not rejected:
+        raise ValueError(_short(candidates, device_budget, host_budget, budget_fraction, length, stack, owner))
+    elif recomputing is not None and recomputing[4].step_time().seconds < best[4].step_time().seconds:
+      best = recomputing
   if best is not None:
     k, resident_state, compiled, predicted, report = best
-    estimate = report.step_time() if _has_hardware(target, gpu_compile) else None
+    estimate = report.step_time() if timed else None
     return StackPlacement(stack, length, k, resident_state, _rest_state(k, resident_state), target, device_budget,
                           host_budget, compiled, predicted,
                           float("nan") if estimate is None else estimate.seconds,
