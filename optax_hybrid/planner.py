@@ -120,7 +120,7 @@ class StackPlacement:
     """Whether XLA recomputes values in the chosen step to keep it under its memory limit (more flops than the
     placement as written): chosen only when no placement fits both budgets without, or when its step is
     estimated faster than the best that does (it moves fewer bytes)."""
-    return bool(self.compiled.flops > (1 + RECOMPUTE_TOLERANCE) * self.flops_as_written)
+    return bool(self.flops_as_written > 0 and self.compiled.flops > (1 + RECOMPUTE_TOLERANCE) * self.flops_as_written)
 
   def place(self, params: Any) -> Any:
     """``params`` with the stack placed: a :class:`~optax_hybrid.SplitStack` (or a whole stack in one memory).
@@ -361,7 +361,7 @@ def choose_placement(optimizer: Callable[..., Any], step: Callable[[Any], Callab
       compiled, report = confirm(k, resident_state)
       fits = compiled.fits(device_budget, host_budget)
       as_written = predict(k, resident_state).flops  # the lines' flops: the corrections may hold recomputation
-      if fits and not recompute and compiled.flops > (1 + RECOMPUTE_TOLERANCE) * as_written:
+      if fits and not recompute and as_written > 0 and compiled.flops > (1 + RECOMPUTE_TOLERANCE) * as_written:
         # XLA recomputed to fit: the placement as written teaches the prediction, and where XLA's limit really is.
         written, _ = confirm(k, resident_state, recompute=False)
         limit = gpu_compile.rematerialization_limit(target, written.device - written.device_temp)

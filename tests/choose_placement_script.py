@@ -154,7 +154,8 @@ def choice() -> dict:
 def recompute_case() -> dict:
   """A device of 65 MB: the choice against every placement compiled here as XLA compiles it (recomputing where it
   needs to) and the stack's flops as written."""
-  text = re.sub(r"device_memory_size:\s*\d+", f"device_memory_size: {int(SMALL_MEMORY)}", gpu_compile.load_target("h200"))
+  text = re.sub(r"device_memory_size:\s*\d+", f"device_memory_size: {int(SMALL_MEMORY)}",
+                gpu_compile.load_target("h200"))
   with tempfile.TemporaryDirectory() as directory:
     target = os.path.join(directory, "h200_65mb.txtpb")
     with open(target, "w") as f:

@@ -27,7 +27,8 @@ import pytest
 
 from optax_hybrid import gpu_compile
 
-pytestmark = [pytest.mark.usefixtures("cuda_compiler_plugin"), pytest.mark.xdist_group("tests/test_rematerialization.py")]
+pytestmark = [pytest.mark.usefixtures("cuda_compiler_plugin"),
+              pytest.mark.xdist_group("tests/test_rematerialization.py")]
 
 MEMORY = 100_000_000
 B, D = 4096, 256
