@@ -126,6 +126,8 @@ class LeafPlan:
     salt, draw_offset: what a random master format seeds the leaf's bits
       with (:func:`optax_hybrid.masters.salt_of` of its path, or of
       ``draws_as``' path) and where its first element's bits are drawn.
+    on_one_device: the leaf is on one device, as init saw it
+      (:func:`optax_hybrid.placement.sharding_of`).
   """
 
   path: str
@@ -156,11 +158,7 @@ class LeafPlan:
   param_space: Any = dataclasses.field(init=False)
   salt: int = dataclasses.field(init=False)
   draw_offset: int = dataclasses.field(init=False)
-
-  @property
-  def on_one_device(self) -> bool:
-    """The leaf is on one device, as init saw it (:func:`optax_hybrid.placement.sharding_of`)."""
-    return self.state_sharding is None and self.row_axes is None
+  on_one_device: bool = dataclasses.field(init=False)
 
   def __post_init__(self):
     derived = {
@@ -173,6 +171,7 @@ class LeafPlan:
         "streamed": tiers_lib.BY_NAME[self.tier].streamed,
         "salt": masters.salt_of(self.draws_as[0] if self.draws_as else self.path),
         "draw_offset": self.draws_as[1] if self.draws_as else 0,
+        "on_one_device": self.state_sharding is None and self.row_axes is None,
     }
     # The leaves that run together: same place, same stage, same master format (or none).
     derived["group"] = (derived["runs_on"], self.stage, self.master)
