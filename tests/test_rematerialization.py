@@ -91,3 +91,10 @@ def test_the_slop_factor_comes_from_xla_flags(monkeypatch, small_target):
   assert gpu_compile.rematerialization_limit(small_target, 10e6) == pytest.approx(0.5 * (0.8 * MEMORY - 10e6))
   monkeypatch.setenv("XLA_FLAGS", "")
   assert gpu_compile.rematerialization_limit("h200", 10e9) == pytest.approx(0.95 * (0.8 * 150754820096 - 10e9))
+
+
+def test_recompute_must_be_a_bool():
+  x = jax.ShapeDtypeStruct((4,), jnp.float32)
+  for bad in ("no", 0, None):
+    with pytest.raises(ValueError, match="`recompute` must be True"):
+      gpu_compile.compile_for_gpu(jnp.sin, x, target="h200", recompute=bad)

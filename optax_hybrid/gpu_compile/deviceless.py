@@ -19,7 +19,7 @@ from optax_hybrid.kernels.contract import lowering_for
 
 __all__ = ["compile_for_gpu", "compile_lowered"]
 
-# XLA's pass that recomputes values, when a program needs more than the device's memory, to bring it under.
+# XLA's pass that recomputes values to bring a program's scratch under XLA's memory limit (rematerialization_limit).
 _REMATERIALIZATION = "rematerialization"
 
 
@@ -102,7 +102,7 @@ def compile_for_gpu(fn: Callable, *args: Any, target: str = "h100", num_devices:
     GpuCompileError: the CUDA plugin is missing or not of jaxlib's version
       (the message has the pip command), or the topology cannot be built.
     ValueError: unknown target; fewer running devices than ``num_devices``;
-      a jitted ``fn`` with jit options.
+      a jitted ``fn`` with jit options; ``recompute`` not a bool.
     jax.errors.JaxRuntimeError: XLA:GPU rejected the program (e.g. ``E1200:
       CompileTimeHostOffloadOutputLocationMismatch``). An internal XLA check
       failure aborts the process instead.
@@ -152,6 +152,9 @@ def compile_lowered(lowered: Any, target: str = "h100", num_devices: int = 1,
   Raises:
     As :func:`compile_for_gpu`.
   """
+  if not isinstance(recompute, bool):
+    raise ValueError(f"`recompute` must be True (XLA may recompute to fit, as on the GPU) or False (the program as "
+                     f"written); got {recompute!r}.")
   devices = topology_devices(load_target(target), num_devices)
   module = lowered.compiler_ir("stablehlo")
   log: list = []
