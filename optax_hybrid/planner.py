@@ -278,7 +278,11 @@ def choose_placement(optimizer: Callable[..., Any], step: Callable[[Any], Callab
                      f"{_size(device_budget)} ({budget_fraction:.0%} of `device_bytes`). Give more device memory, "
                      f"or stack more of the model.")
 
+  timed = _has_hardware(target, gpu_compile)
+
   def compile_at(depth: int, resident: int, resident_state: str, recompute: bool = True) -> tuple[Cost, Any]:
+    """The step compiled at ``depth``: its figures, and its step-time estimate (for its flops; its time when the
+    target has hardware figures, else the H200's)."""
     chosen = StackPlacement(stack, depth, resident, resident_state, _rest_state(resident, resident_state), target,
                             device_budget, host_budget, None, None, 0.0, 0.0, num_devices=num_devices)
     tx = optimizer(chosen.state_memory_kind)
@@ -287,8 +291,9 @@ def choose_placement(optimizer: Callable[..., Any], step: Callable[[Any], Callab
     p = chosen.place(_with_stack(abstract, stack, _rows(layers_abstract, depth)))
     report = gpu_compile.compile_for_gpu(step(tx), p, tx.init(p), abstract_batch, target=target,
                                          num_devices=num_devices, donate_argnums=(0, 1), recompute=recompute)
+    estimate = report.step_time() if timed else gpu_compile.step_time.estimate(report)
     return Cost(report.device_peak_bytes, report.host_peak_bytes, report.to_device_bytes, report.to_host_bytes,
-                report.device_temp_bytes, gpu_compile.step_time.estimate(report).flops), report
+                report.device_temp_bytes, estimate.flops), estimate
 
   layers_abstract = _abstract_stack(_stack_of(abstract, stack, owner))
   depths = sorted({min(2, length), min(4, length)})
@@ -358,7 +363,7 @@ def choose_placement(optimizer: Callable[..., Any], step: Callable[[Any], Callab
         break
       k, resident_state, predicted = fitting[0]
       tried.add((k, resident_state))
-      compiled, report = confirm(k, resident_state)
+      compiled, estimate = confirm(k, resident_state)
       fits = compiled.fits(device_budget, host_budget)
       as_written = predict(k, resident_state).flops  # the lines' flops: the corrections may hold recomputation
       if fits and not recompute and as_written > 0 and compiled.flops > (1 + RECOMPUTE_TOLERANCE) * as_written:
@@ -371,7 +376,7 @@ def choose_placement(optimizer: Callable[..., Any], step: Callable[[Any], Callab
         compiled, fits = written, False
       missed = compiled.plus(predicted, -1)
       if fits:
-        best = (k, resident_state, compiled, predicted, report)
+        best = (k, resident_state, compiled, predicted, estimate)
         if k:  # the prediction made exact at k: a guess that left room is followed by one that uses it
           corrections[resident_state] = corrections[resident_state].plus(
               Cost(*(x / k for x in dataclasses.astuple(missed))))
@@ -382,7 +387,6 @@ def choose_placement(optimizer: Callable[..., Any], step: Callable[[Any], Callab
             Cost(*(max(x, 0.0) / k for x in dataclasses.astuple(missed))))
     return best, rejected, candidates
 
-  timed = _has_hardware(target, gpu_compile)
   best, rejected, _ = search(recompute=False)
   if best is None or (timed and limit_scale[0] is not None):
     # Nothing fits unless XLA recomputes (the largest models), or XLA recomputed in a placement that moves fewer
@@ -392,11 +396,11 @@ def choose_placement(optimizer: Callable[..., Any], step: Callable[[Any], Callab
       best, rejected = recomputing, rejected_too
       if best is None and not rejected:
         raise ValueError(_short(candidates, device_budget, host_budget, budget_fraction, length, stack, owner))
-    elif recomputing is not None and recomputing[4].step_time().seconds < best[4].step_time().seconds:
+    elif recomputing is not None and recomputing[4].seconds < best[4].seconds:
       best = recomputing
   if best is not None:
-    k, resident_state, compiled, predicted, report = best
-    estimate = report.step_time() if timed else None
+    k, resident_state, compiled, predicted, estimate = best
+    estimate = estimate if timed else None
     return StackPlacement(stack, length, k, resident_state, _rest_state(k, resident_state), target, device_budget,
                           host_budget, compiled, predicted,
                           float("nan") if estimate is None else estimate.seconds,
