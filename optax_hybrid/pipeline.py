@@ -136,14 +136,15 @@ def _warn_if_moved(plan: Plan, grad_leaves: list) -> None:
         "jax.set_mesh(mesh).", stacklevel=4)
 
 
-def stored_values(state: Any, plan: Plan) -> list[tuple]:
-  """Per leaf, its fields' values as its moment format stores them (``MomentFormat.stored``): arrays, packed
-  slices of the state's flat buffers, or a disk leaf's files; what the step reads, outside a step."""
+def stored_values(state: Any, plan: Plan) -> tuple[Any, list[tuple]]:
+  """``(the params' treedef, per leaf its fields' values as its moment format stores them)``
+  (``MomentFormat.stored``: arrays, packed slices of the state's flat buffers, or a disk leaf's files): what the
+  step reads, outside a step."""
   if plan.layout is not None:
-    return packing.leaf_state(state, plan)[0]
+    return plan.layout.treedef, packing.leaf_state(state, plan)[0]
   treedef = jax.tree.structure(getattr(state, plan.field_names[0] if plan.fields else "master"))
   entries = _field_entries(state, treedef, plan)
-  return [_leaf_values(lp, i, plan.field_names, entries, plan.owner) for i, lp in enumerate(plan.leaves)]
+  return treedef, [_leaf_values(lp, i, plan.field_names, entries, plan.owner) for i, lp in enumerate(plan.leaves)]
 
 
 def _field_entries(state: Any, treedef: Any, plan: Plan) -> list[dict]:

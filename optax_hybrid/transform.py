@@ -654,9 +654,7 @@ def moment_values(opt_state: Any) -> tuple[Any, ...]:
   read = lambda x: jnp.asarray(disk.read(x) if isinstance(x, disk.DiskMoment) else jax.device_get(x))
   # A stored value read into host arrays, whatever holds it: the state's arrays, packed slices, files on disk.
   on_host = lambda lp, stored: lp.moments.stored([read(a) for a in lp.moments.arrays_of(packed.read(stored))])
-  values = pipeline.stored_values(state, plan)
-  treedef = plan.layout.treedef if plan.layout is not None else jax.tree.structure(
-      getattr(state, plan.field_names[0] if plan.fields else "master"))
+  treedef, values = pipeline.stored_values(state, plan)
   return tuple(treedef.unflatten([lp.moments.decode(on_host(lp, v[k]), signed=field.signed)
                                   for lp, v in zip(plan.leaves, values)]) for k, field in enumerate(plan.fields))
 
