@@ -55,7 +55,8 @@ class _Seen:
 
 
 # A plan (the state's static data, hashable) -> what its init saw. Weak: a state that is dropped takes it along.
-_PENDING: "weakref.WeakKeyDictionary[Any, _Seen]" = weakref.WeakKeyDictionary()
+# Read by the steps: while it is empty (most loops, once their first step is traced) they call nothing here.
+PENDING: "weakref.WeakKeyDictionary[Any, _Seen]" = weakref.WeakKeyDictionary()
 
 
 def _is_variable(x: Any) -> bool:
@@ -90,12 +91,12 @@ def watch(params: Any, plan: Any, owner: str, words: str) -> None:
     seen.loose_numbers = any(isinstance(x, (int, float, complex, np.ndarray, np.generic)) for x in nodes)
     if not seen.arrays and not seen.loose_numbers:
       return
-  _PENDING[plan] = seen
+  PENDING[plan] = seen
 
 
 def forget(tree: Any) -> None:
   """Called by :func:`optax_hybrid.commit`: the states in ``tree`` were committed, their first step compiles once."""
-  watched = list(_PENDING.keys())
+  watched = list(PENDING.keys())
   if not watched:
     return
 
@@ -104,13 +105,16 @@ def forget(tree: Any) -> None:
 
   for x in jax.tree.leaves(tree, is_leaf=is_watched):
     if is_watched(x):
-      _PENDING.pop(x, None)
+      PENDING.pop(x, None)
 
 
-def check_first_step(plan: Any) -> None:
-  """Called by every step as it is traced: the first one traced with a watched plan warns if nothing was committed."""
+def check_first_step(plan: Any, count: Any) -> None:
+  """Called by every step: the first one traced (its ``count`` a tracer) with a watched plan warns if nothing was
+  committed."""
+  if not isinstance(count, _compat.Tracer):  # an eager step: no trace of the user's to compile twice
+    return
   try:
-    seen = _PENDING.pop(plan, None)
+    seen = PENDING.pop(plan, None)
   except TypeError:  # not a plan (a state made by hand): its own error comes from the step
     return
   if seen is not None and seen.still_uncommitted():

@@ -71,11 +71,16 @@ class MomentFormat:
   in_row_slices: bool = False
 
   # Derived once (read in the traced step, where a property would be a call per leaf): the suffix of each array a
-  # field keeps, in the order of ``arrays``: "" (the field's own attribute), then ``suffixes``.
+  # field keeps, in the order of ``arrays``: "" (the field's own attribute), then ``suffixes``; and whether the
+  # format encodes its values (overrides :meth:`decode` or :meth:`encode`): the reference rule reads and writes a
+  # format that stores the values themselves without a call per field.
   attribute_suffixes: tuple[str, ...] = dataclasses.field(init=False, repr=False, compare=False)
+  encodes: bool = dataclasses.field(init=False, repr=False, compare=False)
 
   def __post_init__(self):
     object.__setattr__(self, "attribute_suffixes", ("",) + self.suffixes)
+    object.__setattr__(self, "encodes", type(self).decode is not MomentFormat.decode
+                       or type(self).encode is not MomentFormat.encode)
 
   def applies_to(self, shape: Sequence[int], dtype: Any, last_axis_shards: int = 1) -> bool:
     """Whether a leaf of ``shape`` and ``dtype``, its state's last axis split in ``last_axis_shards``, takes it."""

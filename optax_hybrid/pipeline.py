@@ -71,123 +71,123 @@ def gather(grads: Any, state: Any, params: Any, plan: Plan, write_params: bool, 
   plan's files, or None. ``disk_stores``: the engine's disk store, if made
   (a disk leaf's files are gone once it is closed).
 
+  Each stage runs over every leaf before the next (read, check, type, build),
+  so the step calls into each module once, not once per leaf.
+
   Raises:
     ValueError, TypeError: for gradients, params or a state that do not fit
       each other, with the leaf named.
   """
   owner = plan.owner
   grad_leaves, treedef = jax.tree.flatten(grads)
-  if plan.layout is None:
-    entries = _field_entries(state, treedef, plan)
-  elif treedef != plan.layout.treedef:
-    raise ValueError(f"{owner}: the gradients' tree structure does not match the optimizer state's; gradients: "
-                     f"{treedef}, params at init: {plan.layout.treedef}. Pass gradients for the same params tree "
-                     "the state was initialized with.")
+  treedef, values, master_leaves = _stored(state, plan, treedef)
   if len(plan.leaves) != len(grad_leaves):
     raise ValueError(
         f"{owner}: the state's placement plan has {len(plan.leaves)} leaves but the gradients "
         f"have {len(grad_leaves)}; pass gradients for the params the state was initialized with.")
-  param_leaves = _param_leaves(params, treedef, plan, write_params)
-  _warn_if_moved(plan, grad_leaves)
-  if plan.layout is None:
-    master_leaves = _master_leaves(state.master, treedef, plan) if plan.master.keeps else [None] * len(grad_leaves)
-    leaf_values = lambda i, lp: _leaf_values(lp, i, plan.field_names, entries, owner)
-  else:  # packed: slices of the state's flat buffers, in device memory (optax_hybrid.packing)
-    packed_values, master_leaves = packing.leaf_state(state, plan)
-    leaf_values = lambda i, lp: packed_values[i]
+  if plan.on_disk and disk_stores and disk_stores[0].closed:
+    path = next(lp.path for lp in plan.leaves if lp.on_disk)
+    raise ValueError(f"{owner}: the disk-tier files of {path} were removed by tx.close(); initialize a new state.")
+  if params is None:
+    param_leaves = _without_params(plan, write_params, treedef.num_leaves)
+  else:
+    try:
+      param_leaves = treedef.flatten_up_to(params)
+    except (ValueError, TypeError) as e:
+      raise ValueError(f"{owner}: `params` must have the tree structure of the gradients; gradients: "
+                       f"{treedef}, params: {jax.tree.structure(params)}.") from e
+  moved = [lp.path for lp, g in zip(plan.leaves, grad_leaves)
+           if lp.on_one_device and placement.sharding_of(g) is not None]
+  if moved:
+    _warn_moved(plan, moved)
+  for lp, g, v, p in zip(plan.leaves, grad_leaves, values, param_leaves):
+    _check_gradient(lp, plan, g, v, p, owner)
+  kept = [None if lp.master_dtype is None else w for lp, w in zip(plan.leaves, master_leaves)]
+  state_spaces, param_spaces = [lp.state_space for lp in plan.leaves], [lp.param_space for lp in plan.leaves]
+  # Typed with the state's space (files stay files; packed slices are on the device).
+  if plan.layout is None and plan.leaves:
+    values, kept = zip(*map(_compat.move, zip(values, kept), state_spaces))
+  params_typed = list(map(_compat.move, param_leaves, param_spaces))
   out = []
-  for i, (lp, g, p, w) in enumerate(zip(plan.leaves, grad_leaves, param_leaves, master_leaves)):
-    if lp.on_disk and disk_stores and disk_stores[0].closed:
-      raise ValueError(f"{owner}: the disk-tier files of {lp.path} were removed by tx.close(); "
-                       "initialize a new state.")
-    values = leaf_values(i, lp)
-    _check_gradient(lp, plan, g, values, p, owner)
-    kept = None if lp.master_dtype is None else w
-    if plan.layout is None:  # typed with the state's space (files stay files; packed slices are on the device)
-      values, kept = _compat.move((values, kept), lp.state_space)
+  for lp, g, v, w, p in zip(plan.leaves, grad_leaves, values, kept, params_typed):
     # What the master format keeps, or a random format's seed.
-    master = lp.master.operand(kept, state.count, lp.salt) if lp.master.active else None
+    master = lp.master.operand(w, state.count, lp.salt) if lp.master.active else None
     if lp.draw_offset and lp.master.random:  # a part of a split stack draws the whole stack's bits
       master = masters.seed_at(master, lp.draw_offset)
-    param = _compat.move(p, lp.param_space)
     writes = write_params or lp.master.active  # the first result is the new param
     reads = lp.master.reads_param if lp.master.active else (lp.decay or write_params)
-    facts = LeafFacts(lp.decay, jnp.asarray(param).dtype if writes else jnp.result_type(g.dtype, *lp.dtypes),
+    facts = LeafFacts(lp.decay, jnp.asarray(p).dtype if writes else jnp.result_type(g.dtype, *lp.dtypes),
                       lp.row_axes, moments=lp.moments)
-    out.append(LeafIn(g, values, param, master, reads, facts))
+    out.append(LeafIn(g, v, p, master, reads, facts))
   return treedef, out
 
 
-def _warn_if_moved(plan: Plan, grad_leaves: list) -> None:
-  """Warns where the plan was made for one device and the gradients are on several (placed after ``init``).
+def _stored(state: Any, plan: Plan, treedef: Any) -> tuple[Any, list[tuple], list]:
+  """``(the params' treedef, each leaf's field values as its moment format stores them, each leaf's master entry
+  (None where the state keeps no master))``: from the params-shaped attributes (``treedef``: the gradients'), or
+  from the packed layout's flat buffers."""
+  if plan.layout is not None:
+    if treedef != plan.layout.treedef:
+      raise ValueError(f"{plan.owner}: the gradients' tree structure does not match the optimizer state's; "
+                       f"gradients: {treedef}, params at init: {plan.layout.treedef}. Pass gradients for the same "
+                       "params tree the state was initialized with.")
+    return (treedef, *packing.leaf_state(state, plan))
+  names = plan.field_names
+  try:
+    entries = {name + suffix: (None if getattr(state, name + suffix) is None
+                               else treedef.flatten_up_to(getattr(state, name + suffix)))
+               for name in names for suffix in ("",) + moments.SUFFIXES}
+  except (ValueError, TypeError) as e:
+    name = names[0]
+    raise ValueError(
+        f"{plan.owner}: the gradients' tree structure does not match the optimizer state's; gradients: "
+        f"{treedef}, state.{name}: {jax.tree.structure(getattr(state, name))}. Pass gradients for the same "
+        "params tree the state was initialized with.") from e
+  arrays = []
+  for i, lp in enumerate(plan.leaves):
+    suffixes = lp.moments.attribute_suffixes
+    if lp.on_disk:
+      files = dict(lp.files)
+      arrays.append([[files[name + suffix] for suffix in suffixes] for name in names])
+      continue
+    missing = [name + suffix for name in names for suffix in lp.moments.suffixes if entries[name + suffix] is None]
+    if missing:
+      raise ValueError(f"{plan.owner}: the state keeps {lp.moments.name} values for {lp.path} but has no "
+                       f"`state.{missing[0]}` for them; make the state with this optimizer's init.")
+    arrays.append([[entries[name + suffix][i] for suffix in suffixes] for name in names])
+  values = [lp.moments.stored_fields(a) for lp, a in zip(plan.leaves, arrays)]
+  return treedef, values, (_master_leaves(state.master, treedef, plan) if plan.master.keeps
+                           else [None] * len(plan.leaves))
+
+
+def _warn_moved(plan: Plan, moved: list[str]) -> None:
+  """Warns that the plan was made for one device and the gradients at ``moved`` are on several (placed after
+  ``init``).
 
   The step still computes the same numbers, but what the plan chose for one
   device (a custom kernel, a layout constraint on the whole leaf) then runs
   on whole operands, gathered from their shards.
   """
-  moved = [lp.path for lp, g in zip(plan.leaves, grad_leaves)
-           if lp.on_one_device and placement.sharding_of(g) is not None]
-  if moved:
-    warnings.warn(
-        f"{plan.owner}: the optimizer state was made for params on one device, but the gradients of {moved[0]}"
-        f"{f' and {len(moved) - 1} more leaves' if len(moved) > 1 else ''} are on several devices: the step "
-        "runs what it chose for one device on whole (gathered) operands. Make the state with init of the params "
-        "as they are placed (arrays, or ShapeDtypeStructs with their shardings), or trace init under "
-        "jax.set_mesh(mesh).", stacklevel=4)
+  warnings.warn(
+      f"{plan.owner}: the optimizer state was made for params on one device, but the gradients of {moved[0]}"
+      f"{f' and {len(moved) - 1} more leaves' if len(moved) > 1 else ''} are on several devices: the step "
+      "runs what it chose for one device on whole (gathered) operands. Make the state with init of the params "
+      "as they are placed (arrays, or ShapeDtypeStructs with their shardings), or trace init under "
+      "jax.set_mesh(mesh).", stacklevel=4)
 
 
 def stored_values(state: Any, plan: Plan) -> tuple[Any, list[tuple]]:
   """``(the params' treedef, per leaf its fields' values as its moment format stores them)``
   (``MomentFormat.stored``: arrays, packed slices of the state's flat buffers, or a disk leaf's files): what the
   step reads, outside a step."""
-  if plan.layout is not None:
-    return plan.layout.treedef, packing.leaf_state(state, plan)[0]
-  treedef = jax.tree.structure(getattr(state, plan.field_names[0] if plan.fields else "master"))
-  entries = _field_entries(state, treedef, plan)
-  return treedef, [_leaf_values(lp, i, plan.field_names, entries, plan.owner) for i, lp in enumerate(plan.leaves)]
+  treedef = plan.layout.treedef if plan.layout is not None else jax.tree.structure(
+      getattr(state, plan.field_names[0] if plan.fields else "master"))
+  return _stored(state, plan, treedef)[:2]
 
 
-def _field_entries(state: Any, treedef: Any, plan: Plan) -> list[dict]:
-  """Per field of the rule, ``{suffix: its attribute's entries, one per leaf}`` (None for an attribute the state
-  does not keep: the scales without 8-bit storage), the field's own attribute at ``""``."""
-  entries = []
-  try:
-    for name in plan.field_names:
-      trees = {suffix: getattr(state, name + suffix) for suffix in ("",) + moments.SUFFIXES}
-      entries.append({suffix: None if tree is None else treedef.flatten_up_to(tree)
-                      for suffix, tree in trees.items()})
-  except (ValueError, TypeError) as e:
-    name = plan.field_names[0]
-    raise ValueError(
-        f"{plan.owner}: the gradients' tree structure does not match the optimizer state's; gradients: "
-        f"{treedef}, state.{name}: {jax.tree.structure(getattr(state, name))}. Pass gradients for the same "
-        "params tree the state was initialized with.") from e
-  return entries
-
-
-def _leaf_values(lp: LeafPlan, i: int, names: tuple, entries: list[dict], owner: str) -> tuple:
-  """Leaf ``i``'s field values as the step reads them, in its moment format: its entries or (disk) its files."""
-  suffixes = lp.moments.attribute_suffixes
-  if lp.on_disk:
-    files = dict(lp.files)
-    return tuple(lp.moments.stored([files[name + suffix] for suffix in suffixes]) for name in names)
-  for name, field in zip(names, entries):
-    for suffix in lp.moments.suffixes:
-      if field[suffix] is None:
-        raise ValueError(f"{owner}: the state keeps {lp.moments.name} values for {lp.path} but has no "
-                         f"`state.{name}{suffix}` for them; make the state with this optimizer's init.")
-  return lp.moments.stored_fields([[field[suffix][i] for suffix in suffixes] for field in entries])
-
-
-def _param_leaves(params: Any, treedef: Any, plan: Plan, write_params: bool) -> list:
-  """The params' leaves (Nones without params), or a ValueError when they do not fit or are needed."""
+def _without_params(plan: Plan, write_params: bool, n: int) -> list:
+  """``n`` Nones for a step without params, or a ValueError where the step needs them."""
   owner = plan.owner
-  if params is not None:
-    try:
-      return treedef.flatten_up_to(params)
-    except (ValueError, TypeError) as e:
-      raise ValueError(f"{owner}: `params` must have the tree structure of the gradients; gradients: "
-                       f"{treedef}, params: {jax.tree.structure(params)}.") from e
   if write_params:
     raise ValueError(f"{owner}: tx.step(params, state, grads) needs `params`.")
   if any(leaf.decay for leaf in plan.leaves):
@@ -196,7 +196,7 @@ def _param_leaves(params: Any, treedef: Any, plan: Plan, write_params: bool) -> 
   if any(leaf.master.active for leaf in plan.leaves):
     raise ValueError(f"{owner}: with master weights, `params` is required: call tx.update(grads, state, "
                      "params) (the update is new_param - param).")
-  return [None] * treedef.num_leaves
+  return [None] * n
 
 
 def _master_leaves(master: Any, treedef: Any, plan: Plan) -> list:

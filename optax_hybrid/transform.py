@@ -438,8 +438,8 @@ class _Engine:
     plan = getattr(state, "plan", None)
     if type(state) is not self.rule.state_type or not isinstance(plan, Plan):
       raise self._state_error(state)
-    if _compat.is_tracer(state.count):  # inside the user's jitted step, as it is traced
-      _commit_check.check_first_step(plan)
+    if _commit_check.PENDING:  # some init noted uncommitted params: warn as this step is traced, if it is
+      _commit_check.check_first_step(plan, state.count)
     treedef, leaves = pipeline.gather(grads, state, params, plan, write_params, self.disk_store)
     step_ok = placement.all_finite([leaf.grad for leaf in leaves]) if self.options.execution.skip_nonfinite else None
     stepped, s = self._scalars(state, plan, step_ok)
@@ -454,8 +454,8 @@ class _Engine:
       raise ValueError(f"{self.rule.owner}: skip_nonfinite=True cannot skip a step taken in parts (the optimizer "
                        "in the backward pass): a layer is stepped before the gradients of the layers under it "
                        "exist. Build the optimizer with skip_nonfinite=False.")
-    if _compat.is_tracer(state.count):
-      _commit_check.check_first_step(plan)
+    if _commit_check.PENDING:
+      _commit_check.check_first_step(plan, state.count)
     if plan.layout is not None:
       raise ValueError(f"{self.rule.owner}: a step in parts (begin_step, step_in_backward) steps each leaf's "
                        "state in place, one array per leaf; this state is packed. Build the optimizer with "

@@ -61,6 +61,7 @@ def leaf_update(step: Step, grad: jax.Array, state: Sequence[Stored], param: jax
   decodes and encodes them; None: arrays, or 8-bit codes and scales.
   """
   decode, encode = (_decode, _encode) if moments is None else (moments.decode, moments.encode)
+  coded = moments is None or moments.encodes  # else the stored values are the values, in their dtype
   dtype = jnp.promote_types(grad.dtype, jnp.float32)  # float32, or wider (complex: its complex type)
   g = grad.astype(dtype)
   decay = decay and step.decay is not None
@@ -70,7 +71,7 @@ def leaf_update(step: Step, grad: jax.Array, state: Sequence[Stored], param: jax
     g = g + s.weight_decay * p
   real, values = jnp.finfo(dtype).dtype, []
   for f, x in zip(step.fields, state):  # decoded to the compute dtype (8-bit codes dequantized)
-    values.append(decode(x, signed=f.signed).astype(real if f.real else dtype))
+    values.append((decode(x, signed=f.signed) if coded else x).astype(real if f.real else dtype))
   update, new_values = step.rule.update(g, tuple(values), s)
   if decay and step.decay == DECOUPLED:
     update = update - (s.learning_rate * s.weight_decay) * p
@@ -80,7 +81,7 @@ def leaf_update(step: Step, grad: jax.Array, state: Sequence[Stored], param: jax
     first, unchanged = update.astype(update_dtype), None
   new = []
   for f, x, old in zip(step.fields, new_values, state):  # encoded in the old value's storage format
-    new.append(encode(x, like=old, signed=f.signed))
+    new.append(encode(x, like=old, signed=f.signed) if coded else x.astype(old.dtype))
   new = tuple(new)
   if s.step_ok is not None:
     # A scalar predicate selects without broadcasting, which host compute needs.
