@@ -163,7 +163,10 @@ def typed_sharding(x: Any) -> Any:
 
 def move(x: Any, space: Any) -> Any:
   """Moves an array, or every array of a pytree, to a memory space, keeping its sharding; a no-op for one there."""
-  return jax.tree.map(lambda a: a if memory_space_of(a) == space else jax.device_put(a, space), x)
+  # memory_space_of's test, inline: a traced step moves every leaf's values through here.
+  to_host = space == HOST
+  return jax.tree.map(lambda a: a if (getattr(jax.typeof(a), "memory_space", DEVICE) == HOST) == to_host
+                      else jax.device_put(a, space), x)
 
 
 # The platforms a step is declared to be lowered for (kernels.contract.lowering_for).
@@ -198,10 +201,14 @@ def declared_lowering_platforms(platforms: Sequence[str]):
     _LOWERING_FALLBACK.reset(token)
 
 
-def lowering_platforms_declared() -> tuple[str, ...] | None:
-  """The declared platforms, or None."""
+def lowering_platforms() -> tuple[str, ...]:
+  """The platforms a step traced now is lowered for: the declared ones, else the default backend's
+  (:func:`optax_hybrid.kernels.contract.lowering_platforms`)."""
   value = _LOWERING_PLATFORMS.value if _LOWERING_PLATFORMS is not None else _LOWERING_FALLBACK.get()
-  return tuple(value.split(",")) if value else None
+  if value:
+    return tuple(value.split(","))
+  backend = jax.default_backend()
+  return {"gpu": ("cuda", "rocm")}.get(backend, (backend,))
 
 
 _UINT_OF_SIZE = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}

@@ -29,14 +29,14 @@ def test_native_kernel_is_built_where_a_compiler_exists():
 
 
 def test_kernel_choice_follows_the_platform_the_step_is_lowered_for():
-  native = native_cpu.update_leaves if native_cpu.available() else reference.update_leaves
+  native = native_cpu.on_cpu if native_cpu.available() else reference.update_leaves
   pallas = pallas_gpu.update_leaves
   assert kernels.kernels_for("xla", fused=True) == {"default": reference.update_leaves}
   assert kernels.kernels_for("auto", fused=True) == {"cuda": pallas, "rocm": pallas, "cpu": native,
                                                      "default": reference.update_leaves}
   # update: XLA fuses the caller's p + u into the rule on a CPU (measured faster).
   assert kernels.kernels_for("auto", fused=False)["cpu"] is reference.update_leaves
-  assert kernels.kernels_for("native", fused=False) == {"default": native}
+  assert kernels.kernels_for("native", fused=False) == {"cpu": native, "default": reference.update_leaves}
   assert kernels.kernels_for("pallas", fused=False) == {"default": pallas}
   # Several devices with unknown placement: the rule, which GSPMD partitions.
   assert kernels.kernels_for("pallas", fused=True, split="xla") == {"default": reference.update_leaves}
@@ -62,7 +62,7 @@ def test_a_rule_the_native_kernel_lacks_keeps_every_other_kernel_choice():
   for fused in (True, False):
     assert kernels.kernels_for("xla", fused=fused, rule=Lion()) == {"default": ref}
     assert kernels.kernels_for("pallas", fused=fused, rule=Lion()) == {"default": pallas}
-    assert kernels.kernels_for("native", fused=fused, rule=Lion()) == {"default": ref}
+    assert kernels.kernels_for("native", fused=fused, rule=Lion()) == {"default": ref}  # on every platform
     assert kernels.kernels_for("auto", fused=fused, rule=Lion()) == {"cuda": pallas, "rocm": pallas, "cpu": ref,
                                                                      "default": ref}
 
@@ -236,11 +236,13 @@ def test_without_the_library_the_xla_path_is_used_with_one_warning(monkeypatch):
   assert not native_cpu.available()
   assert "not built" in native_cpu.why_unavailable()
   with pytest.warns(RuntimeWarning, match="native CPU kernel unavailable"):
-    assert kernels.kernels_for("native", fused=True) == {"default": reference.update_leaves}
+    assert kernels.kernels_for("native", fused=True) == {"cpu": reference.update_leaves,
+                                                         "default": reference.update_leaves}
   import warnings
   with warnings.catch_warnings():
     warnings.simplefilter("error")  # only once
-    assert kernels.kernels_for("native", fused=True) == {"default": reference.update_leaves}
+    assert kernels.kernels_for("native", fused=True) == {"cpu": reference.update_leaves,
+                                                         "default": reference.update_leaves}
 
 
 # --- the instruction set the native kernel runs -------------------------------
@@ -291,7 +293,8 @@ def test_an_instruction_set_the_build_lacks_leaves_the_kernel_unavailable_naming
       f"OPTAX_HYBRID_NATIVE_ISA={value} is not an instruction set of this build; accepted values: auto, "
       + ", ".join(ISAS_OF_THIS_BUILD))
   with pytest.warns(RuntimeWarning, match=f"OPTAX_HYBRID_NATIVE_ISA={value} is not"):
-    assert kernels.kernels_for("native", fused=True) == {"default": reference.update_leaves}
+    assert kernels.kernels_for("native", fused=True) == {"cpu": reference.update_leaves,
+                                                         "default": reference.update_leaves}
 
 
 @needs_native

@@ -21,7 +21,6 @@ leaf is always updated by the same rule
 
 from __future__ import annotations
 
-import functools
 from typing import Any, Callable
 
 import jax
@@ -48,13 +47,11 @@ def check_kernel_name(kernel: str, owner: str = "optax_hybrid") -> str:
   return kernel
 
 
-# The native kernel inside host compute (made once: the plans that route to it compare their tables equal).
-_NATIVE_IN_HOST_COMPUTE = functools.partial(native_cpu.update_leaves, direct=True)
-
-
 def _native_or_reference(kernel: str) -> Kernel:
+  """The native kernel on a CPU (:func:`native_cpu.on_cpu`: the library loaded, checked here once), else the
+  reference, with a one-line warning."""
   if native_cpu.available():
-    return native_cpu.update_leaves
+    return native_cpu.on_cpu
   if kernel == "native" or jax.default_backend() == "cpu":
     native_cpu.warn_fallback_once()
   return reference.update_leaves
@@ -73,8 +70,8 @@ def kernels_for(kernel: str, *, fused: bool, runs_on: str = "device", split: str
   * ``"xla"``: the reference rule everywhere.
   * ``"pallas"``: the Pallas kernel (Triton on CUDA and ROCm, interpret mode
     elsewhere).
-  * ``"native"``: the compiled CPU kernel (its own ``platform_dependent``
-    hands other platforms to the reference).
+  * ``"native"``: the compiled CPU kernel on a CPU
+    (:func:`native_cpu.on_cpu`), the reference elsewhere.
   * ``"auto"``: Pallas on CUDA and ROCm; on a CPU the native kernel for the
     fused ``tx.step`` and the reference for ``update``, where XLA fuses the
     caller's ``p + u`` into the step and the custom call would write a
@@ -102,14 +99,14 @@ def kernels_for(kernel: str, *, fused: bool, runs_on: str = "device", split: str
   wants_native = kernel == "native" or (kernel == "auto" and fused)
   if runs_on == "host":
     if wants_native and split == "direct" and native_cpu.available():
-      return {"cpu": _NATIVE_IN_HOST_COMPUTE, "default": reference.update_leaves}
+      return {"cpu": native_cpu.on_cpu, "default": reference.update_leaves}
     return {"default": reference.update_leaves}
   if kernel == "xla" or split == "xla":
     return {"default": reference.update_leaves}
   if kernel == "pallas":
     return {"default": pallas_gpu.update_leaves}
   if kernel == "native":
-    return {"default": _native_or_reference(kernel)}
+    return {"cpu": _native_or_reference(kernel), "default": reference.update_leaves}
   on_cpu = _native_or_reference(kernel) if fused else reference.update_leaves
   return {"cuda": pallas_gpu.update_leaves, "rocm": pallas_gpu.update_leaves, "cpu": on_cpu,
           "default": reference.update_leaves}

@@ -178,13 +178,9 @@ def lowering_for(*platforms: str) -> Iterator[None]:
     yield
 
 
-def lowering_platforms() -> tuple[str, ...]:
-  """The platforms a step traced now is lowered for: the declared ones, else the default backend's."""
-  declared = _compat.lowering_platforms_declared()
-  if declared:
-    return declared
-  backend = jax.default_backend()
-  return {"gpu": ("cuda", "rocm")}.get(backend, (backend,))
+#: The platforms a step traced now is lowered for: the declared ones (:func:`lowering_for`), else the default
+#: backend's (its value read where the JAX versions differ: :mod:`optax_hybrid._compat`).
+lowering_platforms = _compat.lowering_platforms
 
 
 def per_platform(branches: dict[str, Callable], *args: Any) -> Any:

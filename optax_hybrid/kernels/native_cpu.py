@@ -146,16 +146,13 @@ def warn_fallback_once() -> None:
 
 
 _F32 = np.dtype(jnp.float32)
+_QUANTIZED = quantized.QuantizedMoment
 
 # The 8-bit format's tables, one operand of every call (rows in this order:
 # the kernel reads them by position): the first moment's code map, the second
 # moment's, then their thresholds. quantized.py is their single source.
 CODE_TABLES = np.stack([quantized.SIGNED_MAP, quantized.UNSIGNED_MAP, quantized.SIGNED_THRESHOLDS,
                         quantized.UNSIGNED_THRESHOLDS]).astype(np.float32)
-
-
-def _is_quantized(moment) -> bool:
-  return isinstance(moment, quantized.QuantizedMoment)
 
 
 #: The rules the C++ loops compute, by :attr:`optax_hybrid.base.UpdateRule.name`: Adam's.
@@ -180,7 +177,7 @@ SCALARS = ("learning_rate", "b1", "b2", "eps", "weight_decay", "bias_correction1
 def _supports_quantized(leaf: contract.LeafOperands, fact: contract.LeafFacts, step: contract.Step) -> bool:
   """8-bit moments: both quantized, codes shaped like the leaf, scales per block; float32 updates or new params."""
   shape = tuple(leaf.grad.shape)
-  if not all(_is_quantized(m) for m in leaf.state) or len(shape) == 0:
+  if not all(isinstance(m, _QUANTIZED) for m in leaf.state) or len(shape) == 0:
     return False
   for moment in leaf.state:
     if (tuple(moment.codes.shape) != shape or np.dtype(moment.codes.dtype) != quantized.CODE_DTYPE
@@ -201,7 +198,7 @@ def supports(leaf: contract.LeafOperands, fact: contract.LeafFacts, step: contra
   if t not in contract.STORAGE_DTYPES or (leaf.param is not None and np.dtype(leaf.param.dtype) != t):
     return False
   mu, nu = leaf.state
-  if _is_quantized(mu) or _is_quantized(nu):
+  if isinstance(mu, _QUANTIZED) or isinstance(nu, _QUANTIZED):
     return _supports_quantized(leaf, fact, step)
   s = np.dtype(mu.dtype)
   if s != np.dtype(nu.dtype) or s not in (_F32, t):
@@ -247,7 +244,7 @@ def _native_call(leaves, facts, s, step):
       adamw_mode=np.int32(step.decay == DECOUPLED), write_params=np.int32(step.write_params),
       block_size=np.int32(quantized.BLOCK_SIZE), decay=np.asarray([int(f.decay) for f in facts], np.int32),
       has_param=np.asarray(has_param, np.int32),
-      quantized=np.asarray([int(_is_quantized(leaf.state[0])) for leaf in leaves], np.int32),
+      quantized=np.asarray([int(isinstance(leaf.state[0], _QUANTIZED)) for leaf in leaves], np.int32),
   ))
   results = []
   for leaf in leaves:
@@ -294,7 +291,7 @@ def _packed_call(leaves, facts, s, step, pools: dict[str, Any]) -> tuple[list, d
       operands.append(leaf.param)
     has_param.append(0 if leaf.param is None else 1)
     arrays = jax.tree.leaves(leaf.state, is_leaf=_is_slice)
-    for slot, x in zip(_QUANTIZED_SLOTS if _is_quantized(leaf.state[0]) else _FLOAT_SLOTS, arrays):
+    for slot, x in zip(_QUANTIZED_SLOTS if isinstance(leaf.state[0], _QUANTIZED) else _FLOAT_SLOTS, arrays):
       slot_pool[i, slot], slot_offset[i, slot] = keys.index(x.key), x.offset
   first = 2 + len(operands)  # operands 0 and 1 are the scalars and the code tables
   aliases.update({first + k: len(leaves) + k for k in range(len(keys))})
@@ -306,7 +303,7 @@ def _packed_call(leaves, facts, s, step, pools: dict[str, Any]) -> tuple[list, d
       adamw_mode=np.int32(step.decay == DECOUPLED), write_params=np.int32(step.write_params),
       block_size=np.int32(quantized.BLOCK_SIZE), n_pools=np.int32(len(keys)),
       decay=np.asarray([int(f.decay) for f in facts], np.int32), has_param=np.asarray(has_param, np.int32),
-      quantized=np.asarray([int(_is_quantized(leaf.state[0])) for leaf in leaves], np.int32),
+      quantized=np.asarray([int(isinstance(leaf.state[0], _QUANTIZED)) for leaf in leaves], np.int32),
       slot_pool=slot_pool.ravel(), slot_offset=slot_offset.ravel())
   return list(outs[:len(leaves)]), dict(zip(keys, outs[len(leaves):]))
 
@@ -365,29 +362,42 @@ def update_leaves(
   formats (:mod:`optax_hybrid.masters`) it takes a float32 copy (stepped as
   the param, the new param rounded beside it:
   :func:`reference.with_master_as_param`); ``"kahan"`` and ``"stochastic"``
-  leaves take the reference (:func:`implements_master`).
-  ``direct=True`` emits the custom call without ``lax.platform_dependent``:
-  for host compute on the CPU backend, where the platform is known and a
-  ``platform_dependent`` would type its branches' outputs inconsistently.
+  leaves take the reference (:func:`implements_master`). Off a CPU the
+  reference runs (``lax.platform_dependent`` picks at lowering); ``direct=True``
+  emits the custom call without it (:func:`on_cpu`).
   """
   if not _load() or not implements(step.rule) or not implements_master(step.master):
     return reference.update_leaves(leaves, facts, s, step)
-  if step.master.steps_as_param:
-    return reference.with_master_as_param(lambda l, f, plain: update_leaves(l, f, s, plain, direct=direct),
-                                          leaves, facts, step)
-
   if leaves and packed.is_packed(leaves[0].state[0] if leaves[0].state else None):
-    # Packed moments (every leaf of a step, or none): the calls take the pools.
-    return contract.per_platform({"cpu": lambda leaves: _packed_with_reference_for_the_rest(leaves, facts, s, step),
-                                  "default": lambda leaves: reference.update_leaves(leaves, facts, s, step)}, leaves)
+    step = step._replace(packed=True)  # packed moments (every leaf of a step, or none): the calls take the pools
+  if direct:
+    return on_cpu(leaves, facts, s, step)
+  return contract.per_platform({"cpu": lambda leaves: on_cpu(leaves, facts, s, step),
+                                "default": lambda leaves: reference.update_leaves(leaves, facts, s, step)}, leaves)
 
-  def run_native(leaves, facts):
-    on_cpu = lambda leaves: contract.in_chunks(lambda l, f: _native_call(l, f, s, step), leaves, facts,
-                                               MAX_LEAVES_PER_CALL)
-    if direct:
-      return on_cpu(leaves)
-    elsewhere = lambda leaves: reference.update_leaves(leaves, facts, s, step)
-    return contract.per_platform({"cpu": on_cpu, "default": elsewhere}, leaves)
 
-  return reference.with_reference_for_the_rest(lambda leaf, fact: supports(leaf, fact, step), run_native,
+def on_cpu(
+    leaves: Sequence[contract.LeafOperands],
+    facts: Sequence[contract.LeafFacts],
+    s: Any,
+    step: contract.Step,
+) -> list[contract.LeafResult]:
+  """:func:`update_leaves` where the plan routed the step (:func:`optax_hybrid.kernels.kernels_for`): on a CPU,
+  the library loaded and the rule implemented, checked once; the master format and the layout are read from
+  ``step``.
+
+  The custom call is emitted directly: for a step lowered for a CPU, and for
+  host compute on the CPU backend, where a ``platform_dependent`` would type
+  its branches' outputs inconsistently.
+  """
+  if step.master.active:
+    if not implements_master(step.master):
+      return reference.update_leaves(leaves, facts, s, step)
+    return reference.with_master_as_param(lambda l, f, plain: on_cpu(l, f, s, plain), leaves, facts, step)
+  if step.packed:
+    return _packed_with_reference_for_the_rest(leaves, facts, s, step)
+  n = MAX_LEAVES_PER_CALL  # leaves per custom call
+  calls = lambda leaves, facts: [result for k in range(0, len(leaves), n)
+                                 for result in _native_call(leaves[k:k + n], facts[k:k + n], s, step)]
+  return reference.with_reference_for_the_rest(lambda leaf, fact: supports(leaf, fact, step), calls,
                                                leaves, facts, s, step)
