@@ -227,7 +227,7 @@ def _placed_by_plan(state: HybridState, plan: Plan, meshes: dict, where: str) ->
 
   fill = lambda x, sharding: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding) if _unplaced(x) else x
   fields = {}
-  if plan.layout is None:
+  if not plan.layout.packed:
     for name, empty in plan.empty.items():
       tree = getattr(state, name, None)
       if tree is None:

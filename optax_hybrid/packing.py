@@ -57,9 +57,44 @@ class Layout:
       there: no master, no 8-bit scales).
   """
 
-  treedef: Any
-  pools: tuple
-  slots: tuple
+  treedef: Any = None
+  pools: tuple = ()
+  slots: tuple = ()
+
+  # What the engine asks of a layout (optax_hybrid.layouts): its name, and its values are slices of flat buffers.
+  name = "packed"
+  packed = True
+
+  def laid_out(self, plan: Plan, params: Any, attributes: Sequence[str]) -> "Layout":
+    """The layout of ``params``' state: :func:`make_layout`."""
+    return make_layout(plan, params, attributes)
+
+  def state_fields(self, plan: Plan, treedef: Any, arrays: dict[str, list]) -> dict[str, Any]:
+    """``init``: each attribute's pools from one array per leaf (:func:`pack`)."""
+    del treedef
+    return {name: pack(plan, name, values) for name, values in arrays.items()}
+
+  def params_treedef(self, state: Any, plan: Plan) -> Any:
+    del state, plan
+    return self.treedef
+
+  def read(self, state: Any, plan: Plan, treedef: Any) -> tuple[Any, list[tuple], list]:
+    """``(treedef, each leaf's field values as slices of the pools, each leaf's master slice or None)``.
+
+    Raises:
+      ValueError: where the gradients' ``treedef`` is not the params' at init, or the state's pools are not
+        this layout's.
+    """
+    if treedef != self.treedef:
+      raise ValueError(f"{plan.owner}: the gradients' tree structure does not match the optimizer state's; "
+                       f"gradients: {treedef}, params at init: {self.treedef}. Pass gradients for the same "
+                       "params tree the state was initialized with.")
+    return (treedef, *leaf_state(state, plan))
+
+  def written(self, state: Any, plan: Plan, treedef: Any, new: dict[str, list]) -> dict[str, Any]:
+    """A step's new pools from each leaf's new arrays (:func:`repacked`)."""
+    del state, treedef
+    return {name: repacked(plan, name, new[name]) for name in self.attributes}
 
   def pools_of(self, attribute: str) -> tuple:
     return dict(self.pools)[attribute]
@@ -202,4 +237,7 @@ def repacked(plan: Plan, attribute: str, values: Sequence[Any]) -> dict[str, Any
   return out
 
 
-__all__ = ["Layout", "leaf_state", "make_layout", "pack", "repacked"]
+#: ``state_layout="packed"``, before ``init`` lays out the params (:meth:`Layout.laid_out`).
+PACKED = Layout()
+
+__all__ = ["Layout", "PACKED", "leaf_state", "make_layout", "pack", "repacked"]

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from optax_hybrid import _compat, disk, masters, moments, packing, placement
+from optax_hybrid import _compat, disk, masters, placement
 from optax_hybrid._compat import DEVICE, HOST
 from optax_hybrid.kernels import LeafFacts, LeafOperands, LeafResult, reference
 from optax_hybrid.kernels.contract import Step, per_platform
@@ -80,7 +80,7 @@ def gather(grads: Any, state: Any, params: Any, plan: Plan, write_params: bool, 
   """
   owner = plan.owner
   grad_leaves, treedef = jax.tree.flatten(grads)
-  treedef, values, master_leaves = _stored(state, plan, treedef)
+  treedef, values, master_leaves = plan.layout.read(state, plan, treedef)
   if len(plan.leaves) != len(grad_leaves):
     raise ValueError(
         f"{owner}: the state's placement plan has {len(plan.leaves)} leaves but the gradients "
@@ -104,8 +104,8 @@ def gather(grads: Any, state: Any, params: Any, plan: Plan, write_params: bool, 
     _check_gradient(lp, plan, g, v, p, owner)
   kept = [None if lp.master_dtype is None else w for lp, w in zip(plan.leaves, master_leaves)]
   state_spaces, param_spaces = [lp.state_space for lp in plan.leaves], [lp.param_space for lp in plan.leaves]
-  # Typed with the state's space (files stay files; packed slices are on the device).
-  if plan.layout is None and plan.leaves:
+  # Typed with the state's space (files stay files; packed slices are on the device, where they stay).
+  if plan.leaves:
     values, kept = zip(*map(_compat.move, zip(values, kept), state_spaces))
   params_typed = list(map(_compat.move, param_leaves, param_spaces))
   out = []
@@ -120,44 +120,6 @@ def gather(grads: Any, state: Any, params: Any, plan: Plan, write_params: bool, 
                       lp.row_axes, moments=lp.moments)
     out.append(LeafIn(g, v, p, master, reads, facts))
   return treedef, out
-
-
-def _stored(state: Any, plan: Plan, treedef: Any) -> tuple[Any, list[tuple], list]:
-  """``(the params' treedef, each leaf's field values as its moment format stores them, each leaf's master entry
-  (None where the state keeps no master))``: from the params-shaped attributes (``treedef``: the gradients'), or
-  from the packed layout's flat buffers."""
-  if plan.layout is not None:
-    if treedef != plan.layout.treedef:
-      raise ValueError(f"{plan.owner}: the gradients' tree structure does not match the optimizer state's; "
-                       f"gradients: {treedef}, params at init: {plan.layout.treedef}. Pass gradients for the same "
-                       "params tree the state was initialized with.")
-    return (treedef, *packing.leaf_state(state, plan))
-  names = plan.field_names
-  try:
-    entries = {name + suffix: (None if getattr(state, name + suffix) is None
-                               else treedef.flatten_up_to(getattr(state, name + suffix)))
-               for name in names for suffix in ("",) + moments.SUFFIXES}
-  except (ValueError, TypeError) as e:
-    name = names[0]
-    raise ValueError(
-        f"{plan.owner}: the gradients' tree structure does not match the optimizer state's; gradients: "
-        f"{treedef}, state.{name}: {jax.tree.structure(getattr(state, name))}. Pass gradients for the same "
-        "params tree the state was initialized with.") from e
-  arrays = []
-  for i, lp in enumerate(plan.leaves):
-    suffixes = lp.moments.attribute_suffixes
-    if lp.on_disk:
-      files = dict(lp.files)
-      arrays.append([[files[name + suffix] for suffix in suffixes] for name in names])
-      continue
-    missing = [name + suffix for name in names for suffix in lp.moments.suffixes if entries[name + suffix] is None]
-    if missing:
-      raise ValueError(f"{plan.owner}: the state keeps {lp.moments.name} values for {lp.path} but has no "
-                       f"`state.{missing[0]}` for them; make the state with this optimizer's init.")
-    arrays.append([[entries[name + suffix][i] for suffix in suffixes] for name in names])
-  values = [lp.moments.stored_fields(a) for lp, a in zip(plan.leaves, arrays)]
-  return treedef, values, (_master_leaves(state.master, treedef, plan) if plan.master.keeps
-                           else [None] * len(plan.leaves))
 
 
 def _warn_moved(plan: Plan, moved: list[str]) -> None:
@@ -180,9 +142,7 @@ def stored_values(state: Any, plan: Plan) -> tuple[Any, list[tuple]]:
   """``(the params' treedef, per leaf its fields' values as its moment format stores them)``
   (``MomentFormat.stored``: arrays, packed slices of the state's flat buffers, or a disk leaf's files): what the
   step reads, outside a step."""
-  treedef = plan.layout.treedef if plan.layout is not None else jax.tree.structure(
-      getattr(state, plan.field_names[0] if plan.fields else "master"))
-  return _stored(state, plan, treedef)[:2]
+  return plan.layout.read(state, plan, plan.layout.params_treedef(state, plan))[:2]
 
 
 def _without_params(plan: Plan, write_params: bool, n: int) -> list:
@@ -197,16 +157,6 @@ def _without_params(plan: Plan, write_params: bool, n: int) -> list:
     raise ValueError(f"{owner}: with master weights, `params` is required: call tx.update(grads, state, "
                      "params) (the update is new_param - param).")
   return [None] * n
-
-
-def _master_leaves(master: Any, treedef: Any, plan: Plan) -> list:
-  """The state's master entries (a master format that keeps something), or a ValueError when they do not fit."""
-  owner = plan.owner
-  try:
-    return treedef.flatten_up_to(master)
-  except (ValueError, TypeError) as e:
-    raise ValueError(f"{owner}: the state's master weights do not match the gradients' tree structure; "
-                     "pass gradients for the params the state was initialized with.") from e
 
 
 def _check_gradient(lp: LeafPlan, plan: Plan, g: Any, values: tuple, param: Any, owner: str) -> None:
@@ -261,8 +211,13 @@ def store_disk_state(outs: list[LeafOut], stored: list) -> jax.Array | None:
   return disk.store_in_step(files, values)
 
 
-def run_groups(leaves: list[LeafIn], plan: Plan, rule: Any, s: Any, *, write_params: bool) -> list[LeafOut]:
-  """Runs every group of leaves (:attr:`LeafPlan.group`) where its plan says; results in leaf order.
+def run(leaves: list[LeafIn], plan: Plan, rule: Any, s: Any, count: Any, *, write_params: bool
+        ) -> tuple[list[LeafOut], Any]:
+  """The stages after :func:`gather`: load disk state (ordered after ``count``) -> every group of leaves
+  (:attr:`LeafPlan.group`) where its plan says -> gather ZeRO-1 updates -> store disk state.
+
+  Returns the results in leaf order, and the disk write's zero (None without
+  disk leaves: :func:`store_disk_state`).
 
   Groups run in the order of their first leaf. A streamed stage's transfers
   wait (:func:`_after`) for the previous stage's arithmetic and for the stage
@@ -272,6 +227,9 @@ def run_groups(leaves: list[LeafIn], plan: Plan, rule: Any, s: Any, *, write_par
   The groups share nothing but the step's scalars, so XLA may run the host's
   and the device's at the same time.
   """
+  on_disk = written = None
+  if plan.on_disk:
+    leaves, on_disk = load_disk_state(leaves, plan, after=count)
   members: dict[tuple, list[int]] = {}
   for i, leaf in enumerate(plan.leaves):
     members.setdefault(leaf.group, []).append(i)
@@ -289,17 +247,19 @@ def run_groups(leaves: list[LeafIn], plan: Plan, rule: Any, s: Any, *, write_par
         if i in computed:
           outs[i] = _store(plan.leaves[i], leaves[i], computed.pop(i))
       group_in = _after(group_in, previous, older, computed, outs)
-    run = _run_in_row_slices if plan.leaves[idx[0]].slice_rows else _run_group
-    for i, result in zip(idx, run([plan.leaves[i] for i in idx], group_in, plan, rule, s,
-                                  write_params=write_params)):
+    step_group = _run_in_row_slices if plan.leaves[idx[0]].slice_rows else _run_group
+    for i, result in zip(idx, step_group([plan.leaves[i] for i in idx], group_in, plan, rule, s,
+                                         write_params=write_params)):
       computed[i] = result
   for i in list(computed):
     outs[i] = _store(plan.leaves[i], leaves[i], computed.pop(i))
-  if not plan.master.active:  # the update (or new param) as computed
-    return outs
-  if not write_params:
-    return _master_updates(outs, leaves, plan)
-  return _written_over_params(outs, leaves, plan)
+  if plan.master.active:  # for the Optax contract: the update of a mastered leaf, or its param written over
+    outs = _master_updates(outs, leaves, plan) if not write_params else _written_over_params(outs, leaves, plan)
+  if plan.zero1:
+    outs = gather_zero1(outs, plan)
+  if plan.on_disk:
+    written = store_disk_state(outs, on_disk)
+  return outs, written
 
 
 def _after(group_in: list, previous: list[int], older: list[int], computed: dict, outs: list) -> list:
@@ -371,7 +331,7 @@ def _run_group(plans: Sequence[LeafPlan], leaves: Sequence[LeafIn], plan: Plan, 
                                    param if lp.param_space == DEVICE else to(param), to(leaf.master)))
   # The kernels' Step (contract.step_of's) from what the plan read of the rule once; a master format writes params.
   facts = [leaf.facts for leaf in leaves]
-  step = Step(rule, write_params or master.active, plan.fields, plan.decay_mode, master, plan.layout is not None)
+  step = Step(rule, write_params or master.active, plan.fields, plan.decay_mode, master, plan.layout.packed)
   kernels = plan.kernels[where, write_params]
   if where == "host":
     s = type(s)(*(None if x is None else _compat.move(x, HOST) for x in s))

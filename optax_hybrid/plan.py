@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from optax_hybrid import masters, moments as moments_lib, placement, stacks, tiers as tiers_lib
+from optax_hybrid import layouts, masters, moments as moments_lib, placement, stacks, tiers as tiers_lib
 from optax_hybrid.kernels import kernels_for
 from optax_hybrid.options import Options
 
@@ -213,9 +213,11 @@ class Plan:
       :data:`~optax_hybrid.masters.NO_MASTER` for none): the state has a
       ``master`` tree where it keeps something (:attr:`~optax_hybrid.masters.MasterFormat.keeps`),
       an entry per leaf (empty for a leaf it does not apply to).
-    layout: with ``state_layout="packed"``, where each leaf's state is in the
-      state's flat buffers (:class:`optax_hybrid.packing.Layout`, made by
-      ``init``); None: one array per leaf.
+    layout: where the state keeps its params-shaped values
+      (:mod:`optax_hybrid.layouts`): :data:`~optax_hybrid.layouts.LEAVES`,
+      one array per leaf, or with ``state_layout="packed"`` each leaf's
+      slices of the state's flat buffers (:class:`optax_hybrid.packing.Layout`,
+      laid out by ``init``).
     kernels: the kernel route, ``{(runs_on, writes_params): {platform:
       kernel}}`` for each place the leaves run (``"device"``, ``"host"``) and
       for ``update`` (False) and ``step`` (True):
@@ -239,7 +241,7 @@ class Plan:
   fields: tuple = ()
   owner: str = "optax_hybrid"
   static_zeros: frozenset = frozenset()
-  layout: Any = None
+  layout: Any = layouts.LEAVES
   master: Any = masters.NO_MASTER
   decay_mode: str | None = None
   kernels: dict = dataclasses.field(default_factory=dict, repr=False)

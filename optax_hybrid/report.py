@@ -308,7 +308,7 @@ class _Tally:
     # entries that stand where a leaf keeps nothing.
     plan = node.plan if isinstance(node.plan, Plan) else None
     shaped = params_shaped_fields(node)
-    packed = plan is not None and plan.layout is not None
+    packed = plan is not None and plan.layout.packed
     for where, sub_path, placed, field in _packed_slices(key_path, node, plan) if packed else ():
       self.attach(where, sub_path, placed, field)
     trees = [getattr(node, name) for name in shaped if getattr(node, name) is not None]

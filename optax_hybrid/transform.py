@@ -19,7 +19,7 @@ import numpy as np
 import optax
 from optax._src import numerics
 
-from optax_hybrid import _commit_check, _compat, disk, moments as moments_lib, packing, pipeline, placement
+from optax_hybrid import _commit_check, _compat, disk, layouts, moments as moments_lib, packing, pipeline, placement
 from optax_hybrid.base import STATE_TYPES, UpdateRule, is_state
 from optax_hybrid.kernels import packed
 from optax_hybrid.options import OPTION_NAMES, Options, check_learning_rate, make_options, placement_words
@@ -242,6 +242,9 @@ class _Packed:
 
 _PACKED = _Packed()
 
+#: The layouts by ``state_layout=`` name (:mod:`optax_hybrid.layouts`): ``init`` lays the chosen one out.
+_LAYOUTS = {"leaves": layouts.LEAVES, "packed": packing.PACKED}
+
 
 def _state_of_placeholder(placeholder: Any, rule: UpdateRule, o: Options) -> Any:
   """``init``'s state for the params placeholder of ``optax.tree_utils.tree_map_params``.
@@ -253,7 +256,7 @@ def _state_of_placeholder(placeholder: Any, rule: UpdateRule, o: Options) -> Any
   static ``plan`` are not.
   """
   count = jnp.zeros([], jnp.int32)
-  if o.storage.state_layout == "packed":
+  if _LAYOUTS[o.storage.state_layout].packed:
     placeholder = _PACKED
   fields = {f.name + suffix: placeholder for suffix in o.storage.moments.attribute_suffixes for f in rule.fields}
   return _make_state(rule, count=count, skipped=count, plan=_NO_PLAN,
@@ -354,13 +357,10 @@ def _init(params: Any, rule: UpdateRule, o: Options, disk_store: list, stepped_r
   with_master = _keeps_masters(o)
   names = [f.name + suffix for suffix in o.storage.moments.attribute_suffixes for f in rule.fields]
   names += ["master"] * with_master
-  if o.storage.state_layout == "packed":  # checked before any state is made
-    plan = dataclasses.replace(plan, layout=packing.make_layout(plan, params, names))
+  # The layout of these params, checked before any state is made.
+  plan = dataclasses.replace(plan, layout=_LAYOUTS[o.storage.state_layout].laid_out(plan, params, names))
   per_leaf = [_leaf_state(p, lp, plan, initial, with_master) for p, lp in zip(param_leaves, plan.leaves)]
-  if plan.layout is not None:
-    fields = {n: packing.pack(plan, n, [leaf[n] for leaf in per_leaf]) for n in names}
-  else:
-    fields = {n: treedef.unflatten([leaf[n] for leaf in per_leaf]) for n in names}
+  fields = plan.layout.state_fields(plan, treedef, {n: [leaf[n] for leaf in per_leaf] for n in names})
   counter = lambda: placement.step_counter_like(jax.tree.leaves(fields))
   _commit_check.watch(params, plan, rule.owner, placement_words(o))
   return _make_state(rule, count=counter(), skipped=counter(), plan=plan, **fields)
@@ -421,19 +421,6 @@ class _Engine:
         plan.static_zeros, self.rule.without(plan.static_zeros))
     return stepped, stepped.scalars(state.count, lr, step_ok)
 
-  @staticmethod
-  def _run(leaves, plan, stepped, s, count, write_params):
-    """load disk state -> each group where it runs -> gather ZeRO-1 updates -> store disk state."""
-    on_disk = written = None
-    if plan.on_disk:
-      leaves, on_disk = pipeline.load_disk_state(leaves, plan, after=count)
-    outs = pipeline.run_groups(leaves, plan, stepped, s, write_params=write_params)
-    if plan.zero1:
-      outs = pipeline.gather_zero1(outs, plan)
-    if plan.on_disk:
-      written = pipeline.store_disk_state(outs, on_disk)
-    return outs, written
-
   def _step(self, grads, state, params, *, write_params):
     plan = getattr(state, "plan", None)
     if type(state) is not self.rule.state_type or not isinstance(plan, Plan):
@@ -443,7 +430,7 @@ class _Engine:
     treedef, leaves = pipeline.gather(grads, state, params, plan, write_params, self.disk_store)
     step_ok = placement.all_finite([leaf.grad for leaf in leaves]) if self.options.execution.skip_nonfinite else None
     stepped, s = self._scalars(state, plan, step_ok)
-    outs, written = self._run(leaves, plan, stepped, s, state.count, write_params)
+    outs, written = pipeline.run(leaves, plan, stepped, s, state.count, write_params=write_params)
     return treedef.unflatten([out.first for out in outs]), _next_state(state, outs, treedef, step_ok, written)
 
   def begin_step(self, params: Any, state: Any, by_rows: Any) -> "StepInParts":
@@ -456,7 +443,7 @@ class _Engine:
                        "exist. Build the optimizer with skip_nonfinite=False.")
     if _commit_check.PENDING:
       _commit_check.check_first_step(plan, state.count)
-    if plan.layout is not None:
+    if plan.layout.packed:
       raise ValueError(f"{self.rule.owner}: a step in parts (begin_step, step_in_backward) steps each leaf's "
                        "state in place, one array per leaf; this state is packed. Build the optimizer with "
                        "state_layout='leaves' (the default).")
@@ -489,7 +476,7 @@ class _Engine:
       _, now = pipeline.gather(treedef.unflatten(grad_leaves), state, params, plan, True, self.disk_store)
       others = [i for i in range(len(leaves)) if i not in rows]
       sub_plan = dataclasses.replace(plan, leaves=tuple(plan.leaves[i] for i in others))
-      sub_outs, written = self._run([now[i] for i in others], sub_plan, stepped, s, state.count, True)
+      sub_outs, written = pipeline.run([now[i] for i in others], sub_plan, stepped, s, state.count, write_params=True)
       outs = dict(zip(rows, buffers)) | dict(zip(others, sub_outs))
       outs = [outs[i] for i in range(len(leaves))]
       return treedef.unflatten([out.first for out in outs]), _next_state(state, outs, treedef, None, written)
@@ -592,19 +579,7 @@ def _next_state(state: Any, outs: list, treedef: Any, step_ok: Any, written: Any
       new[name].append(getattr(value, "codes", value))
       new[name + "_scales"].append(getattr(value, "scales", None))
     new["master"].append(out.master)
-  if plan.layout is not None:
-    fields = {name: packing.repacked(plan, name, new[name]) for name in plan.layout.attributes}
-    return state._replace(count=count, skipped=skipped, **fields)
-  fields = {}
-  for name, values in new.items():
-    old, empty = getattr(state, name), plan.empty[name]
-    if old is not None:
-      # Where a leaf keeps nothing, its empty entry passes through, typed with its state's memory space.
-      for i, entry in enumerate(treedef.flatten_up_to(old) if empty else ()):
-        if i in empty:
-          values[i] = _compat.move(entry, plan.leaves[i].state_space)
-      fields[name] = treedef.unflatten(values)
-  return state._replace(count=count, skipped=skipped, **fields)
+  return state._replace(count=count, skipped=skipped, **plan.layout.written(state, plan, treedef, new))
 
 
 def moment_values(opt_state: Any) -> tuple[Any, ...]:
