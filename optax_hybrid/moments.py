@@ -72,8 +72,8 @@ class MomentFormat:
 
   # Derived once (read in the traced step, where a property would be a call per leaf): the suffix of each array a
   # field keeps, in the order of ``arrays``: "" (the field's own attribute), then ``suffixes``; and whether the
-  # format encodes its values (overrides :meth:`decode` or :meth:`encode`): the reference rule reads and writes a
-  # format that stores the values themselves without a call per field.
+  # format encodes its values (overrides :meth:`decode` or :meth:`encode`; else its stored value is the array of
+  # values itself): the engine reads and writes a format that stores the values themselves without a call per field.
   attribute_suffixes: tuple[str, ...] = dataclasses.field(init=False, repr=False, compare=False)
   encodes: bool = dataclasses.field(init=False, repr=False, compare=False)
 

@@ -574,10 +574,13 @@ def _next_state(state: Any, outs: list, treedef: Any, step_ok: Any, written: Any
     count = count + written  # the next step's read of disk state waits for this write
   plan = state.plan
   new = {name: [] for name in plan.empty}  # the params-shaped attributes, one value per leaf
-  for out in outs:
-    for name, value in zip(plan.field_names, out.state):  # an array, or 8-bit codes and scales
-      new[name].append(getattr(value, "codes", value))
-      new[name + "_scales"].append(getattr(value, "scales", None))
+  suffixes = ("",) + moments_lib.SUFFIXES
+  for lp, out in zip(plan.leaves, outs):
+    form = lp.moments
+    for name, value in zip(plan.field_names, out.state):  # the arrays of the value its format stores, by suffix
+      arrays = dict(zip(form.attribute_suffixes, form.arrays_of(value) if form.encodes else [value]))
+      for suffix in suffixes:
+        new[name + suffix].append(arrays.get(suffix))
     new["master"].append(out.master)
   return state._replace(count=count, skipped=skipped, **plan.layout.written(state, plan, treedef, new))
 

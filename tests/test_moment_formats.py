@@ -36,8 +36,10 @@ F8 = np.dtype(ml_dtypes.float8_e4m3fn)
 
 
 class Fp8Moment(NamedTuple):
-  codes: jax.Array
-  scales: jax.Array
+  """Named unlike the 8-bit format's record: the engine reaches the arrays only through the format (arrays_of)."""
+
+  e4m3: jax.Array
+  block_scales: jax.Array
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,8 +70,8 @@ class Fp8PerBlock(moments.MomentFormat):
     return Fp8Moment(codes.reshape(values.shape), scales)
 
   def decode(self, stored, *, signed):
-    codes = stored.codes.astype(jnp.float32)
-    blocks = codes.reshape(*codes.shape[:-1], -1, BLOCK) * stored.scales[..., None]
+    codes = stored.e4m3.astype(jnp.float32)
+    blocks = codes.reshape(*codes.shape[:-1], -1, BLOCK) * stored.block_scales[..., None]
     return blocks.reshape(codes.shape)
 
   def stored(self, arrays):
