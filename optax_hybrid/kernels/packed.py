@@ -18,7 +18,6 @@ from typing import Any
 import jax
 from jax import lax
 
-from optax_hybrid.kernels import quantized
 from optax_hybrid.kernels.contract import LeafOperands
 
 
@@ -58,18 +57,25 @@ class PackedSlice:
     return f"PackedSlice({self.key!r}[{self.offset}:{self.offset + self.size}], shape={self.shape})"
 
 
-def read(x: Any) -> Any:
-  """``x``'s values: a :class:`PackedSlice` read from its pool (in an 8-bit record too); anything else as it is."""
+def _is_slice(x: Any) -> bool:
+  return isinstance(x, PackedSlice)
+
+
+def _read_slice(x: Any) -> Any:
   if isinstance(x, PackedSlice):
     return lax.slice(x.pool, (x.offset,), (x.offset + x.size,)).reshape(x.shape)
-  if isinstance(x, quantized.QuantizedMoment):
-    return quantized.QuantizedMoment(read(x.codes), read(x.scales))
   return x
 
 
+def read(x: Any) -> Any:
+  """``x``'s values: every :class:`PackedSlice` in it read from its pool (a field's array, or each array of a moment
+  format's record: 8-bit codes and scales); anything else as it is."""
+  return jax.tree.map(_read_slice, x, is_leaf=_is_slice)
+
+
 def is_packed(x: Any) -> bool:
-  """Whether ``x`` (a field's value, plain or 8-bit) is stored in a pool."""
-  return isinstance(getattr(x, "codes", x), PackedSlice)
+  """Whether ``x`` (a field's stored value: an array or a moment format's record of arrays) is stored in a pool."""
+  return any(isinstance(a, PackedSlice) for a in jax.tree.leaves(x, is_leaf=_is_slice))
 
 
 def read_operands(leaf: LeafOperands) -> LeafOperands:
