@@ -24,7 +24,7 @@ import numpy as np  # noqa: E402
 
 import optax_hybrid  # noqa: E402
 from optax_hybrid.kernels import native_cpu, reference  # noqa: E402
-from stepping import adam_scalars, call_kernel, random_leaves  # noqa: E402
+from stepping import adam_scalars, call_kernel, isas_this_cpu_runs, random_leaves  # noqa: E402
 from test_kernels import COMBOS, SIZES, ulps  # noqa: E402
 
 
@@ -68,7 +68,7 @@ def main():
       leaves += compare(adamw_mode, write_params)
   leaves += compare(True, True, step_ok=False)
   print(json.dumps({"optax_hybrid": optax_hybrid.__file__, "native_cpu": native_cpu.__file__,
-                    "isa": native_cpu.isa(), "isas_this_cpu_runs": native_cpu.isas_this_cpu_runs(),
+                    "isa": native_cpu.isa(), "isas_this_cpu_runs": isas_this_cpu_runs(),
                     "leaves_compared": leaves}))
 
 

@@ -1,5 +1,7 @@
 """Small drivers the tests share: random trees, a few optimizer steps, the inject_hyperparams loop."""
 
+import ctypes
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -97,3 +99,15 @@ def call_kernel(kernel, g, m, v, p, decays, out_dtypes, s, *, adamw_mode, write_
   facts = [LeafFacts(d, dt) for d, dt in zip(decays, out_dtypes)]
   results = kernel(leaves, facts, s, step_of(AdamW(adamw_mode=adamw_mode), write_params), **kwargs)
   return [r.first for r in results], [r.state[0] for r in results], [r.state[1] for r in results]
+
+
+def isas_this_cpu_runs():
+  """The instruction sets the built native library has for this CPU, widest first, as the library itself finds them
+  (its ``OptaxHybridIsasThisCpuRuns``); empty when the library is not built."""
+  from optax_hybrid.kernels import native_cpu
+  path = native_cpu._library_path()
+  if path is None:
+    return ()
+  found = ctypes.CDLL(path).OptaxHybridIsasThisCpuRuns
+  found.restype, found.argtypes = ctypes.c_char_p, []
+  return tuple(found().decode().split())

@@ -17,7 +17,7 @@ import pytest
 from optax_hybrid import kernels
 from optax_hybrid.kernels import native_cpu, pallas_gpu, reference
 from loading import ROOT
-from stepping import adam_scalars, call_kernel, kernel_and_reference
+from stepping import adam_scalars, call_kernel, isas_this_cpu_runs, kernel_and_reference
 from optax_hybrid.rules.adamw import AdamW
 
 needs_native = pytest.mark.skipif(not native_cpu.available(), reason=f"native kernel: {native_cpu.why_unavailable()}")
@@ -271,7 +271,7 @@ def test_native_runs_the_widest_instruction_set_this_cpu_has_unless_told():
   expected = isas_from_proc_cpuinfo()
   if expected is None:
     pytest.skip("no /proc/cpuinfo to tell what this CPU runs")
-  assert native_cpu.isas_this_cpu_runs() == expected
+  assert isas_this_cpu_runs() == expected
   requested = os.environ.get(native_cpu.ISA_VARIABLE) or "auto"
   assert native_cpu.isa() == (expected[0] if requested == "auto" else requested)
 

@@ -27,7 +27,7 @@ import optax_hybrid
 from optax_hybrid.kernels import LeafFacts, LeafOperands, native_cpu, quantized, reference, step_of
 from optax_hybrid.rules.adamw import AdamW
 from numpy_reference import adamw_step_8bit, dequantize_blockwise, dynamic_tree_map
-from stepping import adam_scalars, call_kernel
+from stepping import adam_scalars, call_kernel, isas_this_cpu_runs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 needs_native = pytest.mark.skipif(not native_cpu.available(), reason=f"native kernel: {native_cpu.why_unavailable()}")
@@ -255,7 +255,7 @@ def native_8bit_results():
 
 
 @needs_native
-@pytest.mark.skipif(native_cpu.isas_this_cpu_runs()[:1] != ("avx512vbmi",), reason="needs a CPU with AVX-512 VBMI")
+@pytest.mark.skipif(isas_this_cpu_runs()[:1] != ("avx512vbmi",), reason="needs a CPU with AVX-512 VBMI")
 def test_native_8bit_decodes_by_byte_permutes_exactly_as_by_gathers(tmp_path):
   # avx512vbmi and avx512 differ only in how they look the codes up, so every
   # bit of every result agrees. The other copy runs in a process of its own.
@@ -274,7 +274,7 @@ def test_native_8bit_decodes_by_byte_permutes_exactly_as_by_gathers(tmp_path):
 
 
 @needs_native
-@pytest.mark.skipif("avx2" not in native_cpu.isas_this_cpu_runs() or native_cpu.isa() == "avx2",
+@pytest.mark.skipif("avx2" not in isas_this_cpu_runs() or native_cpu.isa() == "avx2",
                     reason="needs a CPU that runs AVX2 and a process that runs another copy")
 def test_native_8bit_in_the_avx2_copy_follows_the_reference_and_the_float64_model():
   # The AVX2 copy has 8-bit loops of its own (8 lanes; a block's last n % 8

@@ -84,15 +84,13 @@ def _load() -> bool:
   try:
     library = ctypes.CDLL(path)
     handler, packed_handler = getattr(library, _SYMBOL), getattr(library, _PACKED_SYMBOL)
-    isa_name, isa_problem, cpu_runs = (_c_string_function(library, name) for name in (
-        "OptaxHybridIsa", "OptaxHybridIsaProblem", "OptaxHybridIsasThisCpuRuns"))
+    isa_name, isa_problem = (_c_string_function(library, name) for name in ("OptaxHybridIsa", "OptaxHybridIsaProblem"))
   except OSError as e:
     _state["error"] = f"loading {path} failed: {e}"
     return False
   except AttributeError as e:  # a library built from an older native_cpu.cc
     _state["error"] = f"{e}: built from an older native_cpu.cc? rebuild it (pip install, or setup.py build_ext --inplace)"
     return False
-  _state["isas_this_cpu_runs"] = tuple(cpu_runs().decode().split())
   if isa_name() is None:  # OPTAX_HYBRID_NATIVE_ISA names an instruction set the library cannot run here
     _state["error"] = isa_problem().decode()
     return False
@@ -130,12 +128,6 @@ def isa() -> str | None:
     native_cpu.isa()  # 'avx512vbmi' on a CPU with AVX-512 VBMI (Ice Lake, Zen 4 and later)
   """
   return _state["isa"] if _load() else None
-
-
-def isas_this_cpu_runs() -> tuple[str, ...]:
-  """The instruction sets the built library has for this CPU, widest first (empty when it did not load)."""
-  _load()
-  return _state.get("isas_this_cpu_runs", ())
 
 
 def warn_fallback_once() -> None:
