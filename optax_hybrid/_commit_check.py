@@ -111,7 +111,7 @@ def forget(tree: Any) -> None:
 def check_first_step(plan: Any, count: Any) -> None:
   """Called by every step: the first one traced (its ``count`` a tracer) with a watched plan warns if nothing was
   committed."""
-  if not isinstance(count, _compat.Tracer):  # an eager step: no trace of the user's to compile twice
+  if not _compat.is_tracer(count):  # an eager step: no trace of the user's to compile twice
     return
   try:
     seen = PENDING.pop(plan, None)

@@ -163,10 +163,7 @@ def typed_sharding(x: Any) -> Any:
 
 def move(x: Any, space: Any) -> Any:
   """Moves an array, or every array of a pytree, to a memory space, keeping its sharding; a no-op for one there."""
-  # memory_space_of's test, inline: a traced step moves every leaf's values through here.
-  to_host = space == HOST
-  return jax.tree.map(lambda a: a if (getattr(jax.typeof(a), "memory_space", DEVICE) == HOST) == to_host
-                      else jax.device_put(a, space), x)
+  return jax.tree.map(lambda a: a if memory_space_of(a) == space else jax.device_put(a, space), x)
 
 
 # The platforms a step is declared to be lowered for (kernels.contract.lowering_for).

@@ -60,9 +60,8 @@ class LeavesLayout:
     """
     names = plan.field_names
     try:
-      entries = {name + suffix: (None if getattr(state, name + suffix) is None
-                                 else treedef.flatten_up_to(getattr(state, name + suffix)))
-                 for name in names for suffix in ("",) + moments.SUFFIXES}
+      trees = {name + suffix: getattr(state, name + suffix) for name in names for suffix in ("",) + moments.SUFFIXES}
+      entries = {key: None if tree is None else treedef.flatten_up_to(tree) for key, tree in trees.items()}
     except (ValueError, TypeError) as e:
       name = names[0]
       raise ValueError(

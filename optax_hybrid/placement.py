@@ -143,8 +143,8 @@ def sharding_of(x: Any) -> Any:
     >>> placement.sharding_of(jnp.ones(3)) is None
     True
   """
-  if isinstance(x, _compat.Tracer):  # its type's sharding (_compat.typed_sharding, read inline: once per leaf a step)
-    sharding = getattr(jax.typeof(x), "sharding", None)
+  if _compat.is_tracer(x):
+    sharding = _compat.typed_sharding(x)
     mesh = getattr(sharding, "mesh", None)
     if mesh is None or mesh.size <= 1:
       return None

@@ -84,7 +84,8 @@ def _load() -> bool:
   try:
     library = ctypes.CDLL(path)
     handler, packed_handler = getattr(library, _SYMBOL), getattr(library, _PACKED_SYMBOL)
-    isa_name, isa_problem = (_c_string_function(library, name) for name in ("OptaxHybridIsa", "OptaxHybridIsaProblem"))
+    isa_name, isa_problem = (_c_string_function(library, name)
+                             for name in ("OptaxHybridIsa", "OptaxHybridIsaProblem"))
   except OSError as e:
     _state["error"] = f"loading {path} failed: {e}"
     return False
@@ -246,15 +247,11 @@ def _native_call(leaves, facts, s, step):
   return results
 
 
-def _is_slice(x: Any) -> bool:
-  return isinstance(x, packed.PackedSlice)
-
-
 def _pools(leaves: Sequence[contract.LeafOperands]) -> dict[str, Any]:
   """``{key: pool}`` of the pools the leaves' moments are packed into, in the order first met."""
   pools = {}
   for leaf in leaves:
-    for x in jax.tree.leaves(leaf.state, is_leaf=_is_slice):
+    for x in jax.tree.leaves(leaf.state, is_leaf=packed.is_slice):
       pools.setdefault(x.key, x.pool)
   return pools
 
@@ -282,7 +279,7 @@ def _packed_call(leaves, facts, s, step, pools: dict[str, Any]) -> tuple[list, d
         aliases[2 + len(operands)] = i  # the new param overwrites the old one in place
       operands.append(leaf.param)
     has_param.append(0 if leaf.param is None else 1)
-    arrays = jax.tree.leaves(leaf.state, is_leaf=_is_slice)
+    arrays = jax.tree.leaves(leaf.state, is_leaf=packed.is_slice)
     for slot, x in zip(_QUANTIZED_SLOTS if isinstance(leaf.state[0], _QUANTIZED) else _FLOAT_SLOTS, arrays):
       slot_pool[i, slot], slot_offset[i, slot] = keys.index(x.key), x.offset
   first = 2 + len(operands)  # operands 0 and 1 are the scalars and the code tables
@@ -312,7 +309,7 @@ def _in_pools(leaves, facts, s, step) -> list[contract.LeafResult]:
     firsts += new_firsts
   moved = lambda x: packed.PackedSlice(pools[x.key], x.key, x.offset, x.shape)
   return [contract.LeafResult(f, jax.tree.map(moved, tuple(leaf.state),
-                                              is_leaf=_is_slice))
+                                              is_leaf=packed.is_slice))
           for f, leaf in zip(firsts, leaves)]
 
 
@@ -334,7 +331,7 @@ def _packed_with_reference_for_the_rest(leaves, facts, s, step) -> list[contract
   if shared:
     shared, rule_out = lax.optimization_barrier((shared, rule_out))
     now = lambda x: packed.PackedSlice(shared.get(x.key, x.pool), x.key, x.offset, x.shape)
-    kept = [leaf._replace(state=jax.tree.map(now, tuple(leaf.state), is_leaf=_is_slice)) for leaf in kept]
+    kept = [leaf._replace(state=jax.tree.map(now, tuple(leaf.state), is_leaf=packed.is_slice)) for leaf in kept]
   kernel_out, rule_out = iter(_in_pools(kept, pick(facts, True), s, step)), iter(rule_out)
   return [next(kernel_out) if t else next(rule_out) for t in taken]
 
@@ -388,8 +385,7 @@ def on_cpu(
     return reference.with_master_as_param(lambda l, f, plain: on_cpu(l, f, s, plain), leaves, facts, step)
   if step.packed:
     return _packed_with_reference_for_the_rest(leaves, facts, s, step)
-  n = MAX_LEAVES_PER_CALL  # leaves per custom call
-  calls = lambda leaves, facts: [result for k in range(0, len(leaves), n)
-                                 for result in _native_call(leaves[k:k + n], facts[k:k + n], s, step)]
+  calls = lambda leaves, facts: contract.in_chunks(lambda l, f: _native_call(l, f, s, step), leaves, facts,
+                                                  MAX_LEAVES_PER_CALL)
   return reference.with_reference_for_the_rest(lambda leaf, fact: supports(leaf, fact, step), calls,
                                                leaves, facts, s, step)

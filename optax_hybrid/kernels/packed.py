@@ -57,7 +57,8 @@ class PackedSlice:
     return f"PackedSlice({self.key!r}[{self.offset}:{self.offset + self.size}], shape={self.shape})"
 
 
-def _is_slice(x: Any) -> bool:
+def is_slice(x: Any) -> bool:
+  """Whether ``x`` is a :class:`PackedSlice` (``is_leaf`` for tree maps that stop at slices, not their pools)."""
   return isinstance(x, PackedSlice)
 
 
@@ -70,12 +71,12 @@ def _read_slice(x: Any) -> Any:
 def read(x: Any) -> Any:
   """``x``'s values: every :class:`PackedSlice` in it read from its pool (a field's array, or each array of a moment
   format's record: 8-bit codes and scales); anything else as it is."""
-  return jax.tree.map(_read_slice, x, is_leaf=_is_slice)
+  return jax.tree.map(_read_slice, x, is_leaf=is_slice)
 
 
 def is_packed(x: Any) -> bool:
   """Whether ``x`` (a field's stored value: an array or a moment format's record of arrays) is stored in a pool."""
-  return any(isinstance(a, PackedSlice) for a in jax.tree.leaves(x, is_leaf=_is_slice))
+  return any(isinstance(a, PackedSlice) for a in jax.tree.leaves(x, is_leaf=is_slice))
 
 
 def read_operands(leaf: LeafOperands) -> LeafOperands:
@@ -83,4 +84,4 @@ def read_operands(leaf: LeafOperands) -> LeafOperands:
   return LeafOperands(leaf.grad, tuple(read(x) for x in leaf.state), read(leaf.param), read(leaf.master))
 
 
-__all__ = ["PackedSlice", "is_packed", "read", "read_operands"]
+__all__ = ["PackedSlice", "is_packed", "is_slice", "read", "read_operands"]
