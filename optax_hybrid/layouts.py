@@ -85,7 +85,8 @@ class LeavesLayout:
         raise ValueError(f"{plan.owner}: the state keeps {lp.moments.name} values for {lp.path} but has no "
                          f"`state.{missing[0]}` for them; make the state with this optimizer's init.")
       arrays.append([[entries[name + suffix][i] for suffix in suffixes] for name in names])
-    return treedef, [lp.moments.stored_fields(a) for lp, a in zip(plan.leaves, arrays)], masters
+    return treedef, [lp.moments.stored_fields(a) if lp.moments.encodes else tuple(f[0] for f in a)
+                     for lp, a in zip(plan.leaves, arrays)], masters
 
   def written(self, state: Any, plan: Any, treedef: Any, new: dict[str, list]) -> dict[str, Any]:
     """A step's new params-shaped attributes from each leaf's new arrays (``new``: per attribute, one per leaf).

@@ -72,15 +72,16 @@ class MomentFormat:
 
   # Derived once (read in the traced step, where a property would be a call per leaf): the suffix of each array a
   # field keeps, in the order of ``arrays``: "" (the field's own attribute), then ``suffixes``; and whether the
-  # format encodes its values (overrides :meth:`decode` or :meth:`encode`; else its stored value is the array of
-  # values itself): the engine reads and writes a format that stores the values themselves without a call per field.
+  # format encodes its values (overrides :meth:`decode`, :meth:`encode`, :meth:`stored` or :meth:`arrays_of`; else
+  # its stored value is the array of values itself): the engine reads and writes a format that stores the values
+  # themselves without a call per field.
   attribute_suffixes: tuple[str, ...] = dataclasses.field(init=False, repr=False, compare=False)
   encodes: bool = dataclasses.field(init=False, repr=False, compare=False)
 
   def __post_init__(self):
     object.__setattr__(self, "attribute_suffixes", ("",) + self.suffixes)
-    object.__setattr__(self, "encodes", type(self).decode is not MomentFormat.decode
-                       or type(self).encode is not MomentFormat.encode)
+    object.__setattr__(self, "encodes", any(getattr(type(self), method) is not getattr(MomentFormat, method)
+                                            for method in ("decode", "encode", "stored", "arrays_of")))
 
   def applies_to(self, shape: Sequence[int], dtype: Any, last_axis_shards: int = 1) -> bool:
     """Whether a leaf of ``shape`` and ``dtype``, its state's last axis split in ``last_axis_shards``, takes it."""

@@ -104,10 +104,15 @@ def gather(grads: Any, state: Any, params: Any, plan: Plan, write_params: bool, 
     _check_gradient(lp, plan, g, v, p, owner)
   kept = [None if lp.master_dtype is None else w for lp, w in zip(plan.leaves, master_leaves)]
   state_spaces, param_spaces = [lp.state_space for lp in plan.leaves], [lp.param_space for lp in plan.leaves]
-  # Typed with the state's space (files stay files; packed slices are on the device, where they stay).
+  on_device = [i for i, lp in enumerate(plan.leaves) if lp.runs_on == "device" and not lp.slice_rows]
+  device_grads = [grad_leaves[i] for i in on_device]
+  # Typed with the state's space (files stay files; packed slices are on the device, where they stay); the
+  # gradients of leaves stepped on the device moved there (a no-op for gradients computed there).
   if plan.leaves:
     values, kept = zip(*map(_compat.move, zip(values, kept), state_spaces))
   params_typed = list(map(_compat.move, param_leaves, param_spaces))
+  for i, g in zip(on_device, _compat.move(device_grads, DEVICE)):
+    grad_leaves[i] = g
   out = []
   for lp, g, v, w, p in zip(plan.leaves, grad_leaves, values, kept, params_typed):
     # What the master format keeps, or a random format's seed.
@@ -311,11 +316,9 @@ def _run_group(plans: Sequence[LeafPlan], leaves: Sequence[LeafIn], plan: Plan, 
   """
   where = plans[0].runs_on
   master = plans[0].master
-  grads = [leaf.grad for leaf in leaves]
-  if where == "device":
-    grads = _compat.move(grads, DEVICE)  # a no-op for gradients computed there
   operands = []
-  for lp, leaf, grad in zip(plans, leaves, grads):
+  for lp, leaf in zip(plans, leaves):
+    grad = leaf.grad  # a device run's was moved there by gather
     param = leaf.param if leaf.reads_param else None
     if where == "host":  # the param's sharding: its gradient and (if on the device) the param cross with it
       to = lambda x: jax.tree.map(lambda a: placement.to_host(a, lp.gather_to or lp.state_sharding,

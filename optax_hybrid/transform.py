@@ -342,12 +342,12 @@ def _with_disk_files(plan: Plan, params: list, store: disk.DiskStore, initial: t
 def _init(params: Any, rule: UpdateRule, o: Options, disk_store: list, stepped_rules: dict) -> Any:
   """``init``: the plan, then every leaf's state placed where it says.
 
-  ``stepped_rules`` gets the rule the plan's steps run (its static zeros left out).
+  ``stepped_rules`` (a :class:`_SteppedRules`) makes the rule the plan's steps run now, not in a step.
   """
   if _compat.is_optax_params_placeholder(params):
     return _state_of_placeholder(params, rule, o)
   plan = make_plan(params, rule, o)
-  stepped_rules.setdefault(plan.static_zeros, rule.without(plan.static_zeros))
+  stepped_rules[plan.static_zeros]  # noqa: B018 - made once, here
   param_leaves, treedef = jax.tree.flatten(params)
   initial = rule.initial_values()
   if any(leaf.on_disk for leaf in plan.leaves):
@@ -376,6 +376,17 @@ def _make_state(rule: UpdateRule, **values: Any) -> Any:
 # ---------------------------------------------------------------------------
 
 
+class _SteppedRules(dict):
+  """``plan.static_zeros`` -> the rule without those hyperparameters (:meth:`UpdateRule.without`), each made once."""
+
+  def __init__(self, rule: UpdateRule):
+    super().__init__()
+    self.rule = rule
+
+  def __missing__(self, static_zeros: frozenset) -> UpdateRule:
+    return self.setdefault(static_zeros, self.rule.without(static_zeros))
+
+
 class _Engine:
   """The engine of one optimizer: a checked ``rule`` and options ``o``; ``init`` makes the plan, the steps follow it.
 
@@ -384,12 +395,15 @@ class _Engine:
   :meth:`close` through ``update``. What init makes and the steps share:
   ``disk_store`` (the DiskStore, made by the first init that places a leaf on
   disk) and ``stepped_rules`` (``plan.static_zeros`` -> the rule without them).
+  ``learning_rate_at``: the step count -> the learning rate (a constant's is
+  a function too, decided once).
   """
 
   def __init__(self, rule: UpdateRule, learning_rate: Any, o: Options):
-    self.rule, self.learning_rate, self.options = rule, learning_rate, o
+    self.rule, self.options = rule, o
+    self.learning_rate_at = learning_rate if callable(learning_rate) else lambda count: learning_rate
     self.disk_store: list = []
-    self.stepped_rules: dict = {}
+    self.stepped_rules = _SteppedRules(rule)
 
   def init(self, params: Any) -> Any:
     return _init(params, self.rule, self.options, self.disk_store, self.stepped_rules)
@@ -414,22 +428,17 @@ class _Engine:
     return TypeError(f"{rule.owner}: the state has no placement plan (plan={state.plan!r}); make the state with "
                      "this optimizer's init.")
 
-  def _scalars(self, state, plan, step_ok):
-    """The rule that steps (the hyperparameters that were zero at init left out, made once) and its scalars."""
-    lr = self.learning_rate(state.count) if callable(self.learning_rate) else self.learning_rate
-    stepped = self.stepped_rules.get(plan.static_zeros) or self.stepped_rules.setdefault(
-        plan.static_zeros, self.rule.without(plan.static_zeros))
-    return stepped, stepped.scalars(state.count, lr, step_ok)
-
   def _step(self, grads, state, params, *, write_params):
     plan = getattr(state, "plan", None)
     if type(state) is not self.rule.state_type or not isinstance(plan, Plan):
       raise self._state_error(state)
     if _commit_check.PENDING:  # some init noted uncommitted params: warn as this step is traced, if it is
       _commit_check.check_first_step(plan, state.count)
+    lr = self.learning_rate_at(state.count)
     treedef, leaves = pipeline.gather(grads, state, params, plan, write_params, self.disk_store)
     step_ok = placement.all_finite([leaf.grad for leaf in leaves]) if self.options.execution.skip_nonfinite else None
-    stepped, s = self._scalars(state, plan, step_ok)
+    stepped = self.stepped_rules[plan.static_zeros]  # the hyperparameters that were zero at init left out
+    s = stepped.scalars(state.count, lr, step_ok)
     outs, written = pipeline.run(leaves, plan, stepped, s, state.count, write_params=write_params)
     return treedef.unflatten([out.first for out in outs]), _next_state(state, outs, treedef, step_ok, written)
 
@@ -450,7 +459,8 @@ class _Engine:
     rows = _rows_stepped(by_rows, params, plan, placement_words(self.options))
     shaped = lambda tree: jax.tree.map(lambda p: jax.ShapeDtypeStruct(np.shape(p), jnp.asarray(p).dtype), tree)
     treedef, leaves = pipeline.gather(shaped(params), state, params, plan, True, self.disk_store)
-    stepped, s = self._scalars(state, plan, None)
+    stepped = self.stepped_rules[plan.static_zeros]
+    s = stepped.scalars(state.count, self.learning_rate_at(state.count), None)
     steppers = [pipeline.row_stepper(plan.leaves[i], leaves[i], plan, stepped, s, write_params=True) for i in rows]
 
     def current(buffers):

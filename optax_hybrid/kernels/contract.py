@@ -137,10 +137,9 @@ def pack_scalars(s: Any, names: Sequence[str]) -> jax.Array:
   return jnp.stack([getattr(s, name) for name in names] + [step_ok]).astype(jnp.float32)
 
 
-def chunks(n: int, size: int) -> Iterator[slice]:
+def chunks(n: int, size: int) -> list[slice]:
   """Slices of ``range(n)`` of at most ``size`` items: one custom call or launch each."""
-  for start in range(0, n, size):
-    yield slice(start, start + size)
+  return [slice(start, start + size) for start in range(0, n, size)]
 
 
 def in_chunks(run, leaves: Sequence[LeafOperands], facts: Sequence[LeafFacts], size: int) -> list[LeafResult]:
