@@ -253,7 +253,6 @@ def make_options(owner: str, rule: Any, *, mask: MaskOrFn = None, accepted: tupl
   o = dataclasses.replace(o, placement=_checked_placement(owner, o.placement),
                           storage=_checked_storage(owner, o.storage, rule),
                           execution=_checked_execution(owner, o.execution))
-  _check_packed(owner, o)
   return o
 
 
@@ -289,25 +288,6 @@ def _fractions(owner: str, old: dict[str, Any], rest: Any) -> tiers_lib.Fraction
     raise ValueError(f"{owner}: state_memory_kind={rest!r} already places by size; drop `offload_fraction` / "
                      "`nvme_offload_fraction` (their older spelling).")
   return tiers_lib.by_fraction(host=host, disk=disk, rest=rest)
-
-
-def _check_packed(owner: str, o: Options) -> None:
-  """``state_layout="packed"`` packs device state on one CPU device: no other placement, no Pallas kernel."""
-  if o.storage.state_layout != "packed":
-    return
-  p = o.placement
-  placed = [f"{name}={getattr(p, name)!r}" for name in ("nvme_offload_dir", "shard_state_over")
-            if getattr(p, name) is not None]
-  if not (isinstance(p.state_memory_kind, str) and p.state_memory_kind == placement.DEVICE_KIND) \
-      and p.state_memory_kind is not None:
-    placed.append(f"state_memory_kind={p.state_memory_kind!r}")
-  if placed:
-    raise ValueError(f"{owner}: state_layout='packed' keeps every leaf's state in a few flat buffers in device "
-                     f"memory; it takes no placement option ({', '.join(placed)}). Drop them, or keep "
-                     "state_layout='leaves' (the default).")
-  if o.execution.kernel == "pallas":
-    raise ValueError(f"{owner}: state_layout='packed' is a CPU layout; kernel='pallas' is the GPU kernel. Use "
-                     "kernel='auto', 'native' or 'xla', or keep state_layout='leaves' (the default).")
 
 
 def _checked_placement(owner: str, p: Placement) -> Placement:

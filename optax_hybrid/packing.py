@@ -141,8 +141,11 @@ def make_layout(plan: Plan, params: Any, attributes: Sequence[str]) -> Layout:
 
   Raises:
     ValueError: for a leaf outside the device tier, on several devices or on
-      a device that is not a CPU, naming it and the fix.
+      a device that is not a CPU, naming it and the fix; for the Pallas kernel.
   """
+  if plan.kernel == "pallas":
+    raise ValueError(f"{plan.owner}: state_layout='packed' is a CPU layout; kernel='pallas' is the GPU kernel. Use "
+                     "kernel='auto', 'native' or 'xla', or keep state_layout='leaves' (the default).")
   params, treedef = jax.tree.flatten(params)
   for lp, p in zip(plan.leaves, params):
     _check_packable(plan, lp, p)

@@ -259,7 +259,7 @@ class Plan:
     object.__setattr__(self, "_hash", hash(self._key))
     # What every step reads, derived once.
     names = tuple(f.name for f in self.fields)
-    shaped = names + tuple(n + "_scales" for n in names) + ("master",)
+    shaped = names + tuple(n + suffix for suffix in moments_lib.SUFFIXES for n in names) + ("master",)
     object.__setattr__(self, "field_names", names)
     object.__setattr__(self, "empty", {field: frozenset(i for i, leaf in enumerate(self.leaves)
                                                         if not keeps(leaf, field)) for field in shaped})
