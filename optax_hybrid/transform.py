@@ -350,15 +350,15 @@ def _init(params: Any, rule: UpdateRule, o: Options, disk_store: list, stepped_r
   stepped_rules[plan.static_zeros]  # noqa: B018 - made once, here
   param_leaves, treedef = jax.tree.flatten(params)
   initial = rule.initial_values()
+  with_master = _keeps_masters(o)
+  names = [f.name + suffix for suffix in o.storage.moments.attribute_suffixes for f in rule.fields]
+  names += ["master"] * with_master
+  # The layout of these params, checked before any state is made (or file written).
+  plan = dataclasses.replace(plan, layout=_LAYOUTS[o.storage.state_layout].laid_out(plan, params, names))
   if any(leaf.on_disk for leaf in plan.leaves):
     if not disk_store or disk_store[0].closed:
       disk_store[:] = [disk.DiskStore(o.placement.nvme_offload_dir)]
     plan = _with_disk_files(plan, param_leaves, disk_store[0], initial)
-  with_master = _keeps_masters(o)
-  names = [f.name + suffix for suffix in o.storage.moments.attribute_suffixes for f in rule.fields]
-  names += ["master"] * with_master
-  # The layout of these params, checked before any state is made.
-  plan = dataclasses.replace(plan, layout=_LAYOUTS[o.storage.state_layout].laid_out(plan, params, names))
   per_leaf = [_leaf_state(p, lp, plan, initial, with_master) for p, lp in zip(param_leaves, plan.leaves)]
   fields = plan.layout.state_fields(plan, treedef, {n: [leaf[n] for leaf in per_leaf] for n in names})
   counter = lambda: placement.step_counter_like(jax.tree.leaves(fields))

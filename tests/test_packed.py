@@ -189,3 +189,24 @@ def test_checkpoint_round_trip_and_across_layouts():
   assert_trees(step(restored["params"], restored["opt"], GRADS), step(params, state, GRADS), exact=True)
   with pytest.raises(ValueError, match="holds nothing at"):
     optax_hybrid.checkpoint.restore(manager, like={"params": PARAMS, "opt": adamw(moment_format="8bit").init(PARAMS)})
+
+
+@pytest.mark.parametrize("options, names", [
+    ({"state_memory_kind": "disk"}, ["'disk' tier"]),
+    ({"state_memory_kind": "pinned_host"}, ["'host_state' tier", "'pinned_host'"]),
+    ({"kernel": "pallas"}, ["kernel='pallas'"]),
+])
+def test_the_packed_layout_refuses_at_init_naming_both_and_writes_nothing(tmp_path, options, names):
+  params = {"w": jnp.ones((4, 8)), "b": jnp.zeros((8,))}
+  tx = optax_hybrid.hybrid_adamw(1e-3, state_layout="packed", nvme_offload_dir=tmp_path, **options)
+  with pytest.raises(ValueError) as info:
+    tx.init(params)
+  for name in ["state_layout='packed'", *names]:
+    assert name in str(info.value), str(info.value)
+  assert not any(tmp_path.rglob("*")), "init wrote files before refusing the layout"
+  # The same optimizer with the default layout still makes a state and steps.
+  tx = optax_hybrid.hybrid_adamw(1e-3, nvme_offload_dir=tmp_path, **{k: v for k, v in options.items()
+                                                                     if k != "kernel"})
+  state = tx.init(params)
+  updates, _ = tx.update(params, state, params)
+  assert jax.tree.structure(updates) == jax.tree.structure(params)
