@@ -137,16 +137,13 @@ def pack_scalars(s: Any, names: Sequence[str]) -> jax.Array:
   return jnp.stack([getattr(s, name) for name in names] + [step_ok]).astype(jnp.float32)
 
 
-def chunks(n: int, size: int) -> list[slice]:
-  """Slices of ``range(n)`` of at most ``size`` items: one custom call or launch each."""
-  return [slice(start, start + size) for start in range(0, n, size)]
-
-
-def in_chunks(run, leaves: Sequence[LeafOperands], facts: Sequence[LeafFacts], size: int) -> list[LeafResult]:
-  """``run(leaves, facts)`` over chunks of at most ``size`` leaves, results concatenated in order."""
-  out: list[LeafResult] = []
-  for part in chunks(len(leaves), size):
-    out.extend(run(leaves[part], facts[part]))
+def in_chunks(run: Callable[[Sequence, Sequence], list], leaves: Sequence[LeafOperands], facts: Sequence[LeafFacts],
+              size: int) -> list:
+  """``run(leaves, facts)`` over slices of at most ``size`` leaves (one custom call or launch each), in order; their
+  results concatenated."""
+  out: list = []
+  for start in range(0, len(leaves), size):
+    out.extend(run(leaves[start:start + size], facts[start:start + size]))
   return out
 
 

@@ -303,37 +303,18 @@ def _in_pools(leaves, facts, s, step) -> list[contract.LeafResult]:
   The pools pass from one call to the next; every leaf's new state is a
   slice of the last call's pools.
   """
-  pools, firsts = _pools(leaves), []
-  for part in contract.chunks(len(leaves), MAX_LEAVES_PER_CALL):
-    new_firsts, pools = _packed_call(leaves[part], facts[part], s, step, pools)
-    firsts += new_firsts
+  pools = _pools(leaves)
+
+  def call(part, part_facts):
+    nonlocal pools
+    firsts, pools = _packed_call(part, part_facts, s, step, pools)
+    return firsts
+
+  firsts = contract.in_chunks(call, leaves, facts, MAX_LEAVES_PER_CALL)
   moved = lambda x: packed.PackedSlice(pools[x.key], x.key, x.offset, x.shape)
   return [contract.LeafResult(f, jax.tree.map(moved, tuple(leaf.state),
                                               is_leaf=packed.is_slice))
           for f, leaf in zip(firsts, leaves)]
-
-
-def _packed_with_reference_for_the_rest(leaves, facts, s, step) -> list[contract.LeafResult]:
-  """:func:`reference.with_reference_for_the_rest` for packed leaves: the reference's leaves first.
-
-  Where they share a pool with the kernel's leaves (pools are per dtype, so
-  rarely), they read it before the calls update it in place: a barrier
-  orders those reads first.
-  """
-  taken = [supports(leaf, fact, step) for leaf, fact in zip(leaves, facts)]
-  pick = lambda xs, want: [x for x, t in zip(xs, taken) if t == want]
-  rule_out = reference.update_leaves(pick(leaves, False), pick(facts, False), s, step) if not all(taken) else []
-  if not any(taken):
-    return rule_out
-  kept = pick(leaves, True)
-  pools = _pools(kept)
-  shared = {k: pools[k] for k in _pools(pick(leaves, False)) if k in pools}
-  if shared:
-    shared, rule_out = lax.optimization_barrier((shared, rule_out))
-    now = lambda x: packed.PackedSlice(shared.get(x.key, x.pool), x.key, x.offset, x.shape)
-    kept = [leaf._replace(state=jax.tree.map(now, tuple(leaf.state), is_leaf=packed.is_slice)) for leaf in kept]
-  kernel_out, rule_out = iter(_in_pools(kept, pick(facts, True), s, step)), iter(rule_out)
-  return [next(kernel_out) if t else next(rule_out) for t in taken]
 
 
 def update_leaves(
@@ -377,15 +358,33 @@ def on_cpu(
 
   The custom call is emitted directly: for a step lowered for a CPU, and for
   host compute on the CPU backend, where a ``platform_dependent`` would type
-  its branches' outputs inconsistently.
+  its branches' outputs inconsistently. As
+  :func:`reference.with_reference_for_the_rest`: the reference steps the
+  leaves :func:`supports` does not take, first; the others go in calls of at
+  most :data:`MAX_LEAVES_PER_CALL` leaves (packed moments: each call updating
+  the pools in place, :func:`_in_pools`). Where the reference's packed leaves
+  share a pool with the kernel's (pools are per dtype, so rarely), they read
+  it before the calls update it in place: a barrier orders those reads first.
   """
   if step.master.active:
     if not implements_master(step.master):
       return reference.update_leaves(leaves, facts, s, step)
     return reference.with_master_as_param(lambda l, f, plain: on_cpu(l, f, s, plain), leaves, facts, step)
+  taken = [supports(leaf, fact, step) for leaf, fact in zip(leaves, facts)]
+  pick = lambda xs, want: [x for x, t in zip(xs, taken) if t == want]
+  rule_out = reference.update_leaves(pick(leaves, False), pick(facts, False), s, step) if not all(taken) else []
+  if not any(taken):
+    return rule_out
+  kept, kept_facts = pick(leaves, True), pick(facts, True)
   if step.packed:
-    return _packed_with_reference_for_the_rest(leaves, facts, s, step)
-  calls = lambda leaves, facts: contract.in_chunks(lambda l, f: _native_call(l, f, s, step), leaves, facts,
-                                                  MAX_LEAVES_PER_CALL)
-  return reference.with_reference_for_the_rest(lambda leaf, fact: supports(leaf, fact, step), calls,
-                                               leaves, facts, s, step)
+    pools = _pools(kept)
+    shared = {k: pools[k] for k in _pools(pick(leaves, False)) if k in pools}
+    if shared:
+      shared, rule_out = lax.optimization_barrier((shared, rule_out))
+      now = lambda x: packed.PackedSlice(shared.get(x.key, x.pool), x.key, x.offset, x.shape)
+      kept = [leaf._replace(state=jax.tree.map(now, tuple(leaf.state), is_leaf=packed.is_slice)) for leaf in kept]
+    kernel_out = _in_pools(kept, kept_facts, s, step)
+  else:
+    kernel_out = contract.in_chunks(lambda l, f: _native_call(l, f, s, step), kept, kept_facts, MAX_LEAVES_PER_CALL)
+  kernel_out, rule_out = iter(kernel_out), iter(rule_out)
+  return [next(kernel_out) if t else next(rule_out) for t in taken]
