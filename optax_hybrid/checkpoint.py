@@ -51,7 +51,7 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
-from optax_hybrid import _compat, checkpoint_recovery as recovery, disk, masters as masters_lib, placement
+from optax_hybrid import _compat, checkpoint_recovery as recovery, disk, masters as masters_lib, moments, placement
 from optax_hybrid import checkpoint_stacks as stacks_layout, stacks
 from optax_hybrid.base import STATE_TYPES, is_state as _is_state
 from optax_hybrid.checkpoint_recovery import UnreadableCheckpointError
@@ -301,7 +301,7 @@ def _in_moments(path: Any) -> bool:
   """Whether a key path runs through a field of a rule's state (``mu``, ``nu``..., before any ``master``)."""
   shaped = {name for names in STATE_TYPES.values() for name in names}  # of every rule defined so far
   fields = [name for name in _names(path) if name in shaped]
-  return bool(fields) and fields[0] != "master" and not fields[0].endswith("_scales")
+  return bool(fields) and fields[0] != "master" and not fields[0].endswith(moments.SUFFIXES)
 
 
 def _first_names(names: list[str]) -> str:

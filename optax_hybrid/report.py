@@ -18,7 +18,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from optax_hybrid import _compat
+from optax_hybrid import _compat, moments
 from optax_hybrid.base import is_state
 from optax_hybrid.disk import DiskMoment
 from optax_hybrid.paths import path_name, path_names
@@ -295,7 +295,7 @@ class _Tally:
     return i
 
   def attach(self, where: str, sub_path: Any, placed: _Placed, field: str) -> None:
-    i = self.param_index(where, sub_path, placed, params_shaped=not field.endswith("_scales"))
+    i = self.param_index(where, sub_path, placed, params_shaped=not field.endswith(moments.SUFFIXES))
     self.attached[i][placed.memory] += placed.nbytes
     self.has_state[i] = True
     self.by_component[_component(field)][placed.memory] += placed.nbytes
