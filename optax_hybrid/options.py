@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optax_hybrid import _checks, _deprecations, disk, masters, moments as moments_lib, placement, tiers as tiers_lib
+from optax_hybrid import _checks, _deprecations, disk, masters, moments as moments_lib, tiers as tiers_lib
 from optax_hybrid.kernels import check_kernel_name
 
 #: ``moment_format`` values: a storage dtype for every field a rule keeps, or

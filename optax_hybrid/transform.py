@@ -347,7 +347,7 @@ def _init(params: Any, rule: UpdateRule, o: Options, disk_store: list, stepped_r
   if _compat.is_optax_params_placeholder(params):
     return _state_of_placeholder(params, rule, o)
   plan = make_plan(params, rule, o)
-  stepped_rules[plan.static_zeros]  # noqa: B018 - made once, here
+  stepped_rules[plan.static_zeros]  # noqa: B018 - asked now, so the rule the steps run is made here, not in a trace
   param_leaves, treedef = jax.tree.flatten(params)
   initial = rule.initial_values()
   with_master = _keeps_masters(o)
