@@ -211,8 +211,8 @@ def test_one_custom_call_for_many_leaves_and_fallback_for_the_rest():
   lowered = jax.jit(fn(native_cpu.update_leaves)).lower(g, m, v, p).as_text()
   assert lowered.count(f"custom_call @{native_cpu.TARGET}(") == 1  # not one call per leaf
   # Past MAX_LEAVES_PER_CALL the leaves are split over a few calls (compile time).
-  # Distinct leaves, so that a leaf given another's result shows (mutmut: contract.in_chunks 10, overlapping
-  # chunks [0:64], [0:128], [0:192], survived identical leaves).
+  # Distinct leaves, so that a leaf given another's result shows (mutmut: the chunk size 10 in
+  # native_cpu.on_cpu, overlapping chunks [0:64], [0:128], [0:192], survived identical leaves).
   many = [jnp.full((2,), 0.5 + i, jnp.float32) for i in range(2 * native_cpu.MAX_LEAVES_PER_CALL + 1)]
   zeros = [jnp.zeros(2)] * len(many)
   fn_many = lambda kernel: jax.jit(lambda g, m, v, p: call_kernel(

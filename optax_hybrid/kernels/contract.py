@@ -137,16 +137,6 @@ def pack_scalars(s: Any, names: Sequence[str]) -> jax.Array:
   return jnp.stack([getattr(s, name) for name in names] + [step_ok]).astype(jnp.float32)
 
 
-def in_chunks(run: Callable[[Sequence, Sequence], list], leaves: Sequence[LeafOperands], facts: Sequence[LeafFacts],
-              size: int) -> list:
-  """``run(leaves, facts)`` over slices of at most ``size`` leaves (one custom call or launch each), in order; their
-  results concatenated."""
-  out: list = []
-  for start in range(0, len(leaves), size):
-    out.extend(run(leaves[start:start + size], facts[start:start + size]))
-  return out
-
-
 # ---------------------------------------------------------------------------
 # Per-platform choices
 # ---------------------------------------------------------------------------

@@ -303,14 +303,11 @@ def _in_pools(leaves, facts, s, step) -> list[contract.LeafResult]:
   The pools pass from one call to the next; every leaf's new state is a
   slice of the last call's pools.
   """
-  pools = _pools(leaves)
-
-  def call(part, part_facts):
-    nonlocal pools
-    firsts, pools = _packed_call(part, part_facts, s, step, pools)
-    return firsts
-
-  firsts = contract.in_chunks(call, leaves, facts, MAX_LEAVES_PER_CALL)
+  pools, firsts = _pools(leaves), []
+  for start in range(0, len(leaves), MAX_LEAVES_PER_CALL):
+    part = slice(start, start + MAX_LEAVES_PER_CALL)
+    part_firsts, pools = _packed_call(leaves[part], facts[part], s, step, pools)
+    firsts += part_firsts
   moved = lambda x: packed.PackedSlice(pools[x.key], x.key, x.offset, x.shape)
   return [contract.LeafResult(f, jax.tree.map(moved, tuple(leaf.state),
                                               is_leaf=packed.is_slice))
@@ -385,6 +382,8 @@ def on_cpu(
       kept = [leaf._replace(state=jax.tree.map(now, tuple(leaf.state), is_leaf=packed.is_slice)) for leaf in kept]
     kernel_out = _in_pools(kept, kept_facts, s, step)
   else:
-    kernel_out = contract.in_chunks(lambda l, f: _native_call(l, f, s, step), kept, kept_facts, MAX_LEAVES_PER_CALL)
+    kernel_out = [result for start in range(0, len(kept), MAX_LEAVES_PER_CALL)
+                  for result in _native_call(kept[start:start + MAX_LEAVES_PER_CALL],
+                                             kept_facts[start:start + MAX_LEAVES_PER_CALL], s, step)]
   kernel_out, rule_out = iter(kernel_out), iter(rule_out)
   return [next(kernel_out) if t else next(rule_out) for t in taken]
