@@ -68,7 +68,7 @@ def flag(owner: str, name: str, value: Any) -> bool:
 
 def _concrete_float(owner: str, name: str, value: Any) -> float | None:
   """``value`` as a Python float, or None when it is traced (then it cannot be checked here)."""
-  if _compat.is_tracer(value):
+  if isinstance(value, _compat.Tracer):
     return None
   if isinstance(value, bool):
     raise TypeError(f"{owner}: `{name}` must be a number, got the bool {value!r}.")

@@ -69,7 +69,7 @@ def _variable_value(v: Any) -> Any:
 
 
 def _uncommitted(x: Any) -> bool:
-  return isinstance(x, jax.Array) and not _compat.is_tracer(x) and not x.committed
+  return isinstance(x, jax.Array) and not isinstance(x, _compat.Tracer) and not x.committed
 
 
 def moves_memory_kinds(plan: Any) -> bool:
@@ -82,7 +82,7 @@ def watch(params: Any, plan: Any, owner: str, words: str) -> None:
   if not moves_memory_kinds(plan):
     return
   nodes = jax.tree.leaves(params, is_leaf=_is_variable)
-  if any(_compat.is_tracer(x) or isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(params)):
+  if any(isinstance(x, _compat.Tracer) or isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(params)):
     return  # an abstract init (eval_shape, jit): no loop runs with these
   variables = [v for v in nodes if _is_variable(v)]
   seen = _Seen(owner, words, variables=variables)
@@ -111,7 +111,7 @@ def forget(tree: Any) -> None:
 def check_first_step(plan: Any, count: Any) -> None:
   """Called by every step: the first one traced (its ``count`` a tracer) with a watched plan warns if nothing was
   committed."""
-  if not _compat.is_tracer(count):  # an eager step: no trace of the user's to compile twice
+  if not isinstance(count, _compat.Tracer):  # an eager step: no trace of the user's to compile twice
     return
   try:
     seen = PENDING.pop(plan, None)

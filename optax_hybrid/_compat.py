@@ -132,10 +132,6 @@ def abstract_sharding_in(sharding: Any, kind: str) -> Any:
   return sharding.with_memory_kind(kind)
 
 
-def is_tracer(x: Any) -> bool:
-  return isinstance(x, Tracer)
-
-
 def explicit_sharding(like: Any, lead: int = 0) -> Any:
   """The sharding to make a buffer for ``like`` (after ``lead`` whole axes) with, where its type names Explicit axes.
 
@@ -253,7 +249,7 @@ def match_type_to_sharding(x: Any) -> Any:
   traces them as device values and compiles the wrong placement. A real copy
   (``may_alias=False``) rebuilds the array with a consistent type.
   """
-  if not isinstance(x, jax.Array) or is_tracer(x):
+  if not isinstance(x, jax.Array) or isinstance(x, Tracer):
     return x
   wants_host = is_host_kind(getattr(x.sharding, "memory_kind", None))
   if wants_host != (memory_space_of(x) == HOST):

@@ -168,7 +168,7 @@ class UpdateRule:
 
 def is_static_zero(value: Any) -> bool:
   """A hyperparameter known to be zero when the step is traced (not a traced value)."""
-  if _compat.is_tracer(value):
+  if isinstance(value, _compat.Tracer):
     return False
   try:
     return float(value) == 0.0

@@ -346,7 +346,7 @@ def _group_key(group: Callable | None, name: str, leaf: Any) -> tuple:
     raise TypeError(f"flatten_params: `group` must return a hashable key (a bool, str, int or tuple); got a "
                     f"{type(key).__name__} for leaf {name!r}.") from e
   memory_kind, devices = None, None
-  if not _compat.is_tracer(leaf):
+  if not isinstance(leaf, _compat.Tracer):
     sharding = leaf.sharding
     if len(sharding.device_set) > 1 and not sharding.is_fully_replicated:
       raise ValueError(f"flatten_params: leaf {name!r} is split over {len(sharding.device_set)} devices; a flat "
@@ -389,7 +389,7 @@ def _concatenate(leaves: list, length: int | None) -> Any:
   jitted loop fed them back would compile a second program.
   """
   shape, dtype = ((-1,) if length is None else (length, -1)), leaves[0].dtype
-  if any(_compat.is_tracer(x) for x in leaves):
+  if any(isinstance(x, _compat.Tracer) for x in leaves):
     return jnp.concatenate([jnp.reshape(x, shape) for x in leaves], axis=-1).astype(dtype)
   if not _compat.is_host_kind(leaves[0].sharding.memory_kind):
     flat = jnp.concatenate([jnp.reshape(x, shape) for x in leaves], axis=-1).astype(dtype)

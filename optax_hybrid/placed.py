@@ -194,7 +194,7 @@ def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
     'pinned_host'
   """
   _checks.hyperparameter("clip_by_global_norm", "max_norm", max_norm, low=0.0)
-  if not _compat.is_tracer(max_norm) and float(max_norm) == 0.0:
+  if not isinstance(max_norm, _compat.Tracer) and float(max_norm) == 0.0:
     raise ValueError("clip_by_global_norm: `max_norm` must be > 0, got 0.0 (every gradient would be zeroed); "
                      "leave the stage out to not clip.")
 

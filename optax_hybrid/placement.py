@@ -143,7 +143,7 @@ def sharding_of(x: Any) -> Any:
     >>> placement.sharding_of(jnp.ones(3)) is None
     True
   """
-  if _compat.is_tracer(x):
+  if isinstance(x, _compat.Tracer):
     sharding = _compat.typed_sharding(x)
     mesh = getattr(sharding, "mesh", None)
     if mesh is None or mesh.size <= 1:
@@ -180,7 +180,7 @@ def on_devices(sharding: NamedSharding, like: Any) -> NamedSharding:
 def devices_of(param: Any) -> Sequence[jax.Device]:
   """The devices a param is placed on (the first default device when unknown, e.g. traced)."""
   sharding = getattr(param, "sharding", None)
-  if sharding is not None and not _compat.is_tracer(param):
+  if sharding is not None and not isinstance(param, _compat.Tracer):
     return list(sharding.device_set)
   return [jax.devices()[0]]
 
@@ -233,7 +233,7 @@ def filled_placed(param: Any, dtype: Any, kind: str, fill: Any, shape: tuple | N
     elif kind != DEVICE_KIND:
       sharding = SingleDeviceSharding(jax.devices()[0], memory_kind=kind)
     return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
-  if _compat.is_tracer(param) or _compat.is_tracer(fill):
+  if isinstance(param, _compat.Tracer) or isinstance(fill, _compat.Tracer):
     return _compat.move(made(), space_of_kind(kind))
   sharding = getattr(param, "sharding", None)
   committed = getattr(param, "committed", False)  # NumPy arrays are not committed
@@ -256,7 +256,7 @@ def copy_placed(param: Any, dtype: Any, kind: str) -> Any:
   """
   if isinstance(param, jax.ShapeDtypeStruct):
     return zeros_placed(param, dtype, kind)
-  if _compat.is_tracer(param):
+  if isinstance(param, _compat.Tracer):
     return _compat.move(param.astype(dtype), space_of_kind(kind))
   sharding = getattr(param, "sharding", None)
   if sharding is None:
@@ -333,7 +333,7 @@ def step_counter_like(state_leaves: Sequence[Any]) -> Any:
   for x in state_leaves:
     if abstract:
       sharding = getattr(x, "sharding", None)
-    elif _compat.is_tracer(x) or not getattr(x, "committed", False):
+    elif isinstance(x, _compat.Tracer) or not getattr(x, "committed", False):
       continue
     else:
       sharding = x.sharding
@@ -390,7 +390,7 @@ def commit(tree: Any) -> Any:
   """
   _commit_check.forget(tree)  # its optimizer states' first step will not be told to commit them
   leaves, treedef = jax.tree.flatten(tree)
-  arrays = [x for x in leaves if isinstance(x, jax.Array) and not _compat.is_tracer(x)]
+  arrays = [x for x in leaves if isinstance(x, jax.Array) and not isinstance(x, _compat.Tracer)]
   target = None
   for x in arrays:
     if x.committed:
@@ -400,7 +400,7 @@ def commit(tree: Any) -> Any:
 
   def committed(x):
     if isinstance(x, jax.Array):
-      if _compat.is_tracer(x):
+      if isinstance(x, _compat.Tracer):
         return x
       if x.committed:
         one = isinstance(x.sharding, NamedSharding) and x.sharding.mesh.size == 1

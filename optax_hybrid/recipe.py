@@ -337,7 +337,7 @@ def _learning_rate_at(schedule: optax.Schedule, count: Any) -> Any:
   """The schedule's value as a float32 scalar placed like ``count``."""
   if isinstance(count, jax.ShapeDtypeStruct):
     return jax.ShapeDtypeStruct((), jnp.float32, sharding=count.sharding)
-  if _compat.is_tracer(count):
+  if isinstance(count, _compat.Tracer):
     return jnp.asarray(schedule(count), jnp.float32)
   # A Python count: schedules then compute in Python (warmup_cosine_schedule
   # does) instead of compiling each eager jax.numpy op on a device scalar.

@@ -187,7 +187,7 @@ class _Placed:
   """Global bytes, memory and per-device shard bytes of one array or ShapeDtypeStruct."""
 
   def __init__(self, x: Any, what: str, *, numpy_ok: bool):
-    if _compat.is_tracer(x):
+    if isinstance(x, _compat.Tracer):
       raise TypeError(
           f"memory_report: {what} is a traced value; call memory_report outside jit, "
           "on concrete arrays (or jax.ShapeDtypeStructs with shardings): it reads "

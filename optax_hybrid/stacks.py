@@ -125,7 +125,7 @@ def _rows_placed(a: Any, rows: slice, kind: str) -> Any:
   if isinstance(a, jax.ShapeDtypeStruct):
     return jax.ShapeDtypeStruct(shape, a.dtype, sharding=None if sharding is None
                                 else _compat.abstract_sharding_in(sharding, kind))
-  if _compat.is_tracer(a):
+  if isinstance(a, _compat.Tracer):
     return _compat.move(a[rows], placement.space_of_kind(kind))
   if sharding is None:
     sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
@@ -142,7 +142,7 @@ def join_stack(stack: SplitStack, memory_kind: str | None = None) -> Any:
   """
   def joined(r, s):
     kind = memory_kind or getattr(getattr(s, "sharding", None), "memory_kind", None) or placement.HOST_KIND
-    if _compat.is_tracer(r) or _compat.is_tracer(s):
+    if isinstance(r, _compat.Tracer) or isinstance(s, _compat.Tracer):
       space = placement.space_of_kind(kind)
       return jnp.concatenate([_compat.move(r, space), _compat.move(s, space)])
     value = np.concatenate([np.asarray(jax.device_get(r)), np.asarray(jax.device_get(s))])

@@ -325,7 +325,7 @@ def zero1_sharding(param: Any, axis: str, owner: str = "optax_hybrid") -> Any:
       traced on a mesh whose axes are all ``Explicit``).
   """
   sharding = placement.sharding_of(param)
-  own = _compat.typed_sharding(param) if _compat.is_tracer(param) else getattr(param, "sharding", None)
+  own = _compat.typed_sharding(param) if isinstance(param, _compat.Tracer) else getattr(param, "sharding", None)
   if sharding is None and axis in getattr(getattr(own, "mesh", None), "axis_names", ()):
     return None  # a mesh of one device: nothing to split
   mesh = getattr(sharding, "mesh", None)
@@ -334,7 +334,7 @@ def zero1_sharding(param: Any, axis: str, owner: str = "optax_hybrid") -> Any:
         f"{owner}: `shard_state_over`={axis!r} needs params placed with a NamedSharding on a mesh "
         f"that has that axis; got a param with sharding {getattr(param, 'sharding', None) or sharding}"
         + (" (traced: its type does not say how it is split; pass the placed params, or "
-           "ShapeDtypeStructs with their shardings, to init)" if _compat.is_tracer(param) else "") + ".")
+           "ShapeDtypeStructs with their shardings, to init)" if isinstance(param, _compat.Tracer) else "") + ".")
   spec = list(sharding.spec)
   used = {a for entry in spec if entry is not None for a in (entry if isinstance(entry, tuple) else (entry,))}
   if axis in used:

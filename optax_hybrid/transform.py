@@ -297,7 +297,7 @@ def _leaf_state(param: Any, lp: LeafPlan, plan: Plan, initial: tuple, with_maste
   empty = lambda dtype: placement.empty_entry(param, dtype, lp.state_kind, split)
   out = {}
   for field, dtype, value in zip(plan.fields, lp.dtypes, initial):
-    fill = None if not _compat.is_tracer(value) and np.all(np.asarray(value) == 0) else value
+    fill = None if not isinstance(value, _compat.Tracer) and np.all(np.asarray(value) == 0) else value
     arrays = lp.moments.arrays(shape, dtype)
     contents = [None] * len(arrays) if lp.on_disk else lp.moments.initial(shape, dtype, fill, signed=field.signed)
     for (suffix, array_shape, array_dtype), content in zip(arrays, contents):
