@@ -338,25 +338,29 @@ def _run_group(plans: Sequence[LeafPlan], leaves: Sequence[LeafIn], plan: Plan, 
   kernels = plan.kernels[where, write_params]
   if where == "host":
     s = type(s)(*(None if x is None else _compat.move(x, HOST) for x in s))
-    branches = {p: _compat.host_compute(lambda ops, s, k=k: k(ops, facts, s, step), out_memory_spaces=HOST)
-                for p, k in kernels.items()}
-  else:
-    branches, operands = _device_branches(kernels, plans, facts, step, plan, s, operands)
-  return [tuple(r) for r in per_platform(branches, operands, s)]
+    kernels = {p: _on_host(k) for p, k in kernels.items()}
+  elif plan.split == "shard_map":
+    kernels, operands = _split_over_mesh(kernels, plans, plan, operands)
+  return [tuple(r) for r in per_platform(kernels, operands, facts, s, step)]
 
 
-def _device_branches(kernels: dict, plans: Sequence[LeafPlan], facts: Sequence[LeafFacts], step: Any, plan: Plan,
-                     s: Any, operands: list) -> tuple[dict, list]:
-  """The device's ``{platform: compute}`` for :func:`per_platform`, and the operands to give it.
+def _on_host(kernel: Any) -> Any:
+  """``kernel`` in XLA host compute, its results left in host memory (operands already there)."""
+  return lambda ops, facts, s, step: _compat.host_compute(lambda ops, s: kernel(ops, facts, s, step),
+                                                          out_memory_spaces=HOST)(ops, s)
 
-  A custom kernel is single-device code: where the plan splits the leaves
-  over a mesh it runs per shard (:func:`_per_shard`), its operands
-  constrained to their state's sharding; the XLA rule is partitioned by XLA.
+
+def _split_over_mesh(kernels: dict, plans: Sequence[LeafPlan], plan: Plan, operands: list) -> tuple[dict, list]:
+  """For a plan that splits the leaves over a mesh: the kernel table and the operands to give it.
+
+  A custom kernel is single-device code: it runs per shard (:func:`_per_shard`),
+  its operands constrained to their state's sharding; the XLA rule is
+  partitioned by XLA, and returned as it is.
   """
-  if plan.split == "shard_map" and set(kernels.values()) != {reference.update_leaves}:
-    return ({p: _per_shard(k, plans, facts, step, plan.mesh, s, operands) for p, k in kernels.items()},
-            [_constrained(op, lp) for lp, op in zip(plans, operands)])
-  return {p: lambda ops, s, k=k: k(ops, facts, s, step) for p, k in kernels.items()}, operands
+  if set(kernels.values()) == {reference.update_leaves}:
+    return kernels, operands
+  return ({p: _per_shard(k, plans, plan.mesh) for p, k in kernels.items()},
+          [_constrained(op, lp) for lp, op in zip(plans, operands)])
 
 
 def _run_in_row_slices(plans: Sequence[LeafPlan], leaves: Sequence[LeafIn], plan: Plan, rule: Any, s: Any, *,
@@ -425,8 +429,8 @@ def row_stepper(lp: LeafPlan, leaf: LeafIn, plan: Plan, rule: Any, s: Any, *,
         master.random) else None
     ops = LeafOperands(row_major(_compat.move(grad_rows, DEVICE)), fetch(state), fetch_read,
                        fetch(kept_master) if kept else seed)
-    branches, operands = _device_branches(kernels, [lp], facts, step, plan, s, [ops])
-    new_first, new_state, new_master = per_platform(branches, operands, s)[0]
+    table, operands = _split_over_mesh(kernels, [lp], plan, [ops]) if plan.split == "shard_map" else (kernels, [ops])
+    new_first, new_state, new_master = per_platform(table, operands, facts, s, step)[0]
     put = lambda buf, x: lax.dynamic_update_slice_in_dim(buf, _compat.move(x, _compat.memory_space_of(buf)),
                                                          start, axis=0)
     return LeafOut(put(first, new_first), jax.tree.map(put, state, new_state),
@@ -442,8 +446,7 @@ def _constrained(op: LeafOperands, lp: LeafPlan) -> LeafOperands:
                       op.master if lp.master.random else constrain(op.master))
 
 
-def _per_shard(kernel: Any, plans: Sequence[LeafPlan], facts: Sequence[LeafFacts], step: Any, mesh: Any, s: Any,
-               operands: Sequence[LeafOperands]):
+def _per_shard(kernel: Any, plans: Sequence[LeafPlan], mesh: Any) -> Any:
   """``kernel`` under ``shard_map``: every operand of a leaf split like its state, the scalars replicated.
 
   To the kernel a shard is a whole leaf (every leading axis may be cut into
@@ -453,27 +456,31 @@ def _per_shard(kernel: Any, plans: Sequence[LeafPlan], facts: Sequence[LeafFacts
   the bits the one-device step draws for it.
   """
   specs = [lp.state_sharding.spec for lp in plans]
-  shards = [(tuple(lp.state_sharding.shard_shape(op.grad.shape)), tuple(op.grad.shape))
-            for lp, op in zip(plans, operands)]
-  local_facts = [fact._replace(row_axes=None, shard=shard if shard[0] != shard[1] else None)
-                 for fact, shard in zip(facts, shards)]
 
-  def compute(ops, s):
-    ops = [op._replace(master=masters.seed_at(op.master, masters.shard_origin(spec, mesh, *fact.shard)))
-           if lp.master.random and fact.shard is not None else op
-           for lp, op, spec, fact in zip(plans, ops, specs, local_facts)]
-    return kernel(ops, local_facts, s, step)
+  def sharded(operands: Sequence[LeafOperands], facts: Sequence[LeafFacts], s: Any, step: Any) -> list:
+    shards = [(tuple(lp.state_sharding.shard_shape(op.grad.shape)), tuple(op.grad.shape))
+              for lp, op in zip(plans, operands)]
+    local_facts = [fact._replace(row_axes=None, shard=shard if shard[0] != shard[1] else None)
+                   for fact, shard in zip(facts, shards)]
 
-  # A master that keeps values is split like the state; a random format's seed is replicated.
-  in_specs = ([LeafOperands(sp, tuple(sp for _ in op.state), None if op.param is None else sp,
-                            lp.master.operand_spec(sp))
-               for lp, op, sp in zip(plans, operands, specs)],
-              type(s)(*(None if x is None else jax.sharding.PartitionSpec() for x in s)))
-  out_specs = [LeafResult(sp, tuple(sp for _ in op.state), sp if lp.master_dtype is not None else None)
-               for lp, op, sp in zip(plans, operands, specs)]
-  # check_vma=False: lax.platform_dependent's branches inside the kernels
-  # type their outputs' varying axes differently; the step is elementwise.
-  return jax.shard_map(compute, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
+    def compute(ops, s):
+      ops = [op._replace(master=masters.seed_at(op.master, masters.shard_origin(spec, mesh, *fact.shard)))
+             if lp.master.random and fact.shard is not None else op
+             for lp, op, spec, fact in zip(plans, ops, specs, local_facts)]
+      return kernel(ops, local_facts, s, step)
+
+    # A master that keeps values is split like the state; a random format's seed is replicated.
+    in_specs = ([LeafOperands(sp, tuple(sp for _ in op.state), None if op.param is None else sp,
+                              lp.master.operand_spec(sp))
+                 for lp, op, sp in zip(plans, operands, specs)],
+                type(s)(*(None if x is None else jax.sharding.PartitionSpec() for x in s)))
+    out_specs = [LeafResult(sp, tuple(sp for _ in op.state), sp if lp.master_dtype is not None else None)
+                 for lp, op, sp in zip(plans, operands, specs)]
+    # check_vma=False: lax.platform_dependent's branches inside the kernels
+    # type their outputs' varying axes differently; the step is elementwise.
+    return jax.shard_map(compute, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)(operands, s)
+
+  return sharded
 
 
 def _master_updates(outs: list[LeafOut], leaves: Sequence[LeafIn], plan: Plan) -> list[LeafOut]:

@@ -169,19 +169,25 @@ def lowering_for(*platforms: str) -> Iterator[None]:
 lowering_platforms = _compat.lowering_platforms
 
 
-def per_platform(branches: dict[str, Callable], *args: Any) -> Any:
-  """``branches[platform](*args)`` for the platform the step is lowered for.
+def per_platform(kernels: dict[str, Callable], leaves: Sequence[LeafOperands], facts: Sequence[LeafFacts], s: Any,
+                 step: Step) -> list[LeafResult]:
+  """``kernels[platform](leaves, facts, s, step)`` for the platform the step is lowered for.
 
-  ``branches`` maps platform names to functions, ``"default"`` covering the
-  others. Only the branches of :func:`lowering_platforms` are traced (tracing
-  a branch, the Pallas kernel's say, is not free); one left is called
-  directly, several go through ``lax.platform_dependent``, which picks at
-  lowering. A table of one branch is that branch on every platform.
+  ``kernels`` maps platform names to kernels (functions of this contract),
+  ``"default"`` covering the others. Only the kernels of
+  :func:`lowering_platforms` are traced (tracing one, the Pallas kernel's
+  say, is not free); one left is called directly, several go through
+  ``lax.platform_dependent``, which picks at lowering (the leaves and the
+  scalars its operands; the static facts and step closed over). A table of
+  one kernel is that kernel on every platform.
   """
-  if len(branches) == 1:
-    return branches["default"](*args)
-  wanted = {p: branches.get(p, branches["default"]) for p in lowering_platforms()}
+  if len(kernels) == 1:
+    return kernels["default"](leaves, facts, s, step)
+  wanted = {p: kernels.get(p, kernels["default"]) for p in lowering_platforms()}
   distinct = list(dict.fromkeys(wanted.values()))
   if len(distinct) == 1:
-    return distinct[0](*args)
-  return jax.lax.platform_dependent(*args, **wanted, default=branches["default"])
+    return distinct[0](leaves, facts, s, step)
+  # One function per kernel, so that a kernel several platforms run is traced once.
+  calls = {k: (lambda leaves, s, k=k: k(leaves, facts, s, step)) for k in [*distinct, kernels["default"]]}
+  return jax.lax.platform_dependent(leaves, s, **{p: calls[k] for p, k in wanted.items()},
+                                    default=calls[kernels["default"]])

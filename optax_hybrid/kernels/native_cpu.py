@@ -339,8 +339,7 @@ def update_leaves(
     step = step._replace(packed=True)  # packed moments (every leaf of a step, or none): the calls take the pools
   if direct:
     return on_cpu(leaves, facts, s, step)
-  return contract.per_platform({"cpu": lambda leaves: on_cpu(leaves, facts, s, step),
-                                "default": lambda leaves: reference.update_leaves(leaves, facts, s, step)}, leaves)
+  return contract.per_platform({"cpu": on_cpu, "default": reference.update_leaves}, leaves, facts, s, step)
 
 
 def on_cpu(

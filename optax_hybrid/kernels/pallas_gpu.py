@@ -414,11 +414,10 @@ def update_leaves(
                                           num_warps=num_warps), leaves, facts, step)
 
   def run_pallas(leaves, facts):
-    run = functools.partial(_run, facts=facts, s=s, step=step, block_size=block_size,
-                            rows_per_program=rows_per_program, num_warps=num_warps)
-    on_gpu = lambda leaves: run(leaves, interpret=False)
-    interpreted = lambda leaves: run(leaves, interpret=True)
-    return contract.per_platform({"cuda": on_gpu, "rocm": on_gpu, "default": interpreted}, leaves)
+    run = lambda interpret: functools.partial(_run, interpret=interpret, block_size=block_size,
+                                              rows_per_program=rows_per_program, num_warps=num_warps)
+    on_gpu = run(False)
+    return contract.per_platform({"cuda": on_gpu, "rocm": on_gpu, "default": run(True)}, leaves, facts, s, step)
 
   return reference.with_reference_for_the_rest(lambda leaf, fact: supports(leaf, fact, step.master), run_pallas,
                                                leaves, facts, s, step)
