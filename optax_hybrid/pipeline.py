@@ -96,16 +96,17 @@ def gather(grads: Any, state: Any, params: Any, plan: Plan, write_params: bool, 
     except (ValueError, TypeError) as e:
       raise ValueError(f"{owner}: `params` must have the tree structure of the gradients; gradients: "
                        f"{treedef}, params: {jax.tree.structure(params)}.") from e
-  moved = [lp.path for lp, g in zip(plan.leaves, grad_leaves)
-           if lp.on_one_device and placement.sharding_of(g) is not None]
-  if moved:
-    _warn_moved(plan, moved)
   for lp, g, v, p in zip(plan.leaves, grad_leaves, values, param_leaves):
     _check_gradient(lp, plan, g, v, p, owner)
   kept = [None if lp.master_dtype is None else w for lp, w in zip(plan.leaves, master_leaves)]
   state_spaces, param_spaces = [lp.state_space for lp in plan.leaves], [lp.param_space for lp in plan.leaves]
   on_device = [i for i, lp in enumerate(plan.leaves) if lp.runs_on == "device" and not lp.slice_rows]
   device_grads = [grad_leaves[i] for i in on_device]
+  # Where the gradients are (a warning, so after the errors above), then where each value goes.
+  moved = [lp.path for lp, g in zip(plan.leaves, grad_leaves)
+           if lp.on_one_device and placement.sharding_of(g) is not None]
+  if moved:
+    _warn_moved(plan, moved)
   # Typed with the state's space (files stay files; packed slices are on the device, where they stay); the
   # gradients of leaves stepped on the device moved there (a no-op for gradients computed there).
   if plan.leaves:

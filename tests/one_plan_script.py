@@ -173,6 +173,17 @@ def check_plans():
     jax.jit(tx.step)(moved_params, moved_state, grads_like(moved_params, 0.5))
   assert any("made for params on one device" in str(w.message) and "jax.set_mesh" in str(w.message)
              for w in caught), [str(w.message) for w in caught]
+  # Gradients that do not fit the state: the error, raised before (and so without) that warning.
+  misshapen = jax.tree.map(lambda g: g[None], grads_like(moved_params, 0.5))
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    try:
+      jax.jit(tx.step)(moved_params, moved_state, misshapen)
+    except ValueError as e:
+      assert "has shape" in str(e), e
+    else:
+      raise AssertionError("misshapen gradients stepped")
+  assert not any("made for params on one device" in str(w.message) for w in caught), [str(w.message) for w in caught]
   auto = params_on(split_over(mesh(jax.sharding.AxisType.Auto)))
   for options in every_option():
     tx = tx_of(options)
