@@ -65,6 +65,37 @@ def test_a_rule_the_native_kernel_lacks_keeps_every_other_kernel_choice():
     assert kernels.kernels_for("native", fused=fused, rule=Lion()) == {"default": ref}  # on every platform
     assert kernels.kernels_for("auto", fused=fused, rule=Lion()) == {"cuda": pallas, "rocm": pallas, "cpu": ref,
                                                                      "default": ref}
+    # A packed state takes the native kernel for update as for step, where it implements the rule.
+    assert kernels.kernels_for("auto", fused=fused, rule=Lion(), packed=True)["cpu"] is ref
+
+
+def test_a_kernel_defined_in_a_test_alone_is_routed_and_steps(monkeypatch):
+  # A new kernel is a value: its update_leaves and its route, named in kernels.ROUTES; no module is touched.
+  import optax_hybrid
+  seen = []
+
+  def counting(leaves, facts, s, step):
+    seen.append(len(leaves))
+    return reference.update_leaves(leaves, facts, s, step)
+
+  def route(*, fused, runs_on, split, rule, packed):
+    return {"default": reference.update_leaves} if runs_on == "host" or split == "xla" else {"default": counting}
+
+  monkeypatch.setitem(kernels.ROUTES, "counting", route)
+  params = {"w": jnp.linspace(-1.0, 1.0, 12).reshape(3, 4), "b": jnp.ones(4)}
+  grads = jax.tree.map(lambda p: jnp.sin(p) + 0.1, params)
+  tx = optax_hybrid.hybrid_adamw(1e-2, weight_decay=0.1, kernel="counting",
+                                  state_memory_kind={"w": "device", "b": "host"})
+  params, state = optax_hybrid.commit((params, tx.init(params)))
+  assert state.plan.kernels["device", True] == {"default": counting}
+  new, _ = jax.jit(tx.step)(params, state, grads)
+  assert seen == [1]  # "w" on the device; "b" in host compute, where the route gives the reference
+  want, _ = jax.jit(optax_hybrid.hybrid_adamw(1e-2, weight_decay=0.1, kernel="xla").step)(
+      params, optax_hybrid.hybrid_adamw(1e-2, weight_decay=0.1, kernel="xla").init(params), grads)
+  for a, b in zip(jax.tree.leaves(new), jax.tree.leaves(want)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6)
+  with pytest.raises(ValueError, match="'counting'"):  # the names accepted include it
+    optax_hybrid.hybrid_adamw(1e-2, kernel="counting2")
 
 
 def test_the_plan_decides_the_kernel_route_once_and_the_steps_follow_it():

@@ -18,6 +18,7 @@ import optax
 import pytest
 
 import optax_hybrid
+from optax_hybrid import kernels
 from optax_hybrid.kernels import native_cpu
 
 native = pytest.mark.skipif(not native_cpu.available(), reason="native kernel not built")
@@ -135,6 +136,21 @@ def test_auto_kernel_runs_the_native_call_for_update_too():
   tx = optax_hybrid.hybrid_adamw(1e-3, state_layout="packed")
   text = jax.jit(tx.update).lower(GRADS, tx.init(PARAMS), PARAMS).as_text()
   assert (native_cpu.PACKED_TARGET in text) == native_cpu.available()
+
+
+@pytest.mark.parametrize("alias", ["hybrid_lion", "hybrid_adagrad", "hybrid_sgd"])
+def test_a_rule_the_native_kernel_lacks_steps_a_packed_state_with_the_reference(alias):
+  # kernel="auto" takes the native kernel for a packed state's update as for its step, where the kernel implements
+  # the rule: these rules take the reference on a CPU (they reached the Adam-only C++ call and failed to trace).
+  make = getattr(optax_hybrid, alias)
+  tx = make(1e-2, state_layout="packed")
+  table = tx.init(PARAMS).plan.kernels["device", True]
+  assert table["cpu"] is kernels.reference.update_leaves, table
+  for fused in (True, False):
+    want_params, want_state = stepped(make(1e-2), fused=fused)
+    params, state = stepped(tx, fused=fused)
+    assert_trees(params, want_params, exact=False)
+    assert_trees(optax_hybrid.moment_values(state), optax_hybrid.moment_values(want_state), exact=False)
 
 
 def test_optax_wrappers_and_tree_map_params():

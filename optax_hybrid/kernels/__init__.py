@@ -2,8 +2,10 @@
 
 Every kernel follows one contract (:mod:`optax_hybrid.kernels.contract`:
 ``update_leaves(leaves, facts, s, step) -> results``), declares the rules it
-implements (its ``RULES``, by rule name, and ``implements(rule)``), and is
-tested against :func:`reference.update_leaves`, which runs any rule.
+implements (its ``RULES``, by rule name, and ``implements(rule)``) and where it
+runs (its ``route``: ``{platform: kernel}`` for where the leaves are stepped,
+the plan's split and the rule; :data:`ROUTES` names each), and is tested
+against :func:`reference.update_leaves`, which runs any rule.
 ``"xla"`` is the reference itself, one fused XLA loop per leaf. ``"native"``
 is the compiled CPU kernel (:mod:`native_cpu`; Adam), one custom call for all
 CPU-resident leaves. ``"pallas"`` is the fused GPU kernel (:mod:`pallas_gpu`;
@@ -23,14 +25,36 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-import jax
-
 from optax_hybrid.kernels import contract, native_cpu, pallas_gpu, reference
 from optax_hybrid.kernels.contract import LeafFacts, LeafOperands, LeafResult, Step, lowering_for, step_of
 
-KERNEL_NAMES = ("auto", "xla", "native", "pallas")
-
 Kernel = Callable[..., list]
+
+
+def _auto(*, fused: bool, runs_on: str, split: str, rule: Any, packed: bool) -> dict[str, Kernel]:
+  """``kernel="auto"``'s table: the Pallas kernel's on CUDA and ROCm; on a CPU the native kernel's for the fused
+  ``tx.step``, and for ``update`` too with a ``packed`` state, where it implements the rule; else the reference.
+
+  For ``update`` on a CPU XLA fuses the caller's ``p + u`` into the rule,
+  where the custom call would write a full-size update buffer instead
+  (``benchmarks/step.py``); a packed state is stepped in its flat buffers
+  by the native kernel, where XLA's rule would concatenate them back.
+  """
+  where = {"fused": fused, "runs_on": runs_on, "split": split, "rule": rule, "packed": packed}
+  wants_native = (fused or packed) and (rule is None or native_cpu.implements(rule))
+  cpu = native_cpu.route(**where, asked=False) if wants_native else reference.route(**where)
+  if runs_on == "host" or split == "xla":  # no Triton launch there: the CPU's table is the table
+    return cpu
+  gpu = pallas_gpu.route(**where)["default"]
+  return {"cuda": gpu, "rocm": gpu, "cpu": cpu.get("cpu", cpu["default"]), "default": reference.update_leaves}
+
+
+#: Each ``kernel=`` name's route: ``route(*, fused, runs_on, split, rule, packed) -> {platform: kernel}``, the
+#: kernel's own (its module's ``route``) or, for ``"auto"``, a choice among them. The names ``kernel=`` accepts.
+ROUTES: dict[str, Callable[..., dict]] = {"auto": _auto, "xla": reference.route, "native": native_cpu.route,
+                                          "pallas": pallas_gpu.route}
+#: The built-in kernels' names.
+KERNEL_NAMES = tuple(ROUTES)
 
 
 def check_kernel_name(kernel: str, owner: str = "optax_hybrid") -> str:
@@ -39,27 +63,18 @@ def check_kernel_name(kernel: str, owner: str = "optax_hybrid") -> str:
   Raises:
     ValueError: for an unknown name.
   """
-  if not isinstance(kernel, str) or kernel not in KERNEL_NAMES:
+  if not isinstance(kernel, str) or kernel not in ROUTES:
     raise ValueError(
         f"{owner}: unknown `kernel`={kernel!r}; accepted values are "
-        f"{', '.join(repr(k) for k in KERNEL_NAMES)}."
+        f"{', '.join(repr(k) for k in ROUTES)}."
     )
   return kernel
 
 
-def _native_or_reference(kernel: str) -> Kernel:
-  """The native kernel on a CPU (:func:`native_cpu.on_cpu`: the library loaded, checked here once), else the
-  reference, with a one-line warning."""
-  if native_cpu.available():
-    return native_cpu.on_cpu
-  if kernel == "native" or jax.default_backend() == "cpu":
-    native_cpu.warn_fallback_once()
-  return reference.update_leaves
-
-
 def kernels_for(kernel: str, *, fused: bool, runs_on: str = "device", split: str = "direct",
                 rule: Any = None, packed: bool = False) -> dict[str, Kernel]:
-  """The kernel each platform runs, as ``{platform: kernel}`` for ``lax.platform_dependent``.
+  """The kernel each platform runs, as ``{platform: kernel}`` for ``lax.platform_dependent``: ``kernel``'s route
+  (:data:`ROUTES`).
 
   The choice follows the platform the step is *lowered* for
   (:func:`optax_hybrid.kernels.contract.per_platform`): the default backend's
@@ -67,50 +82,28 @@ def kernels_for(kernel: str, *, fused: bool, runs_on: str = "device", split: str
   traced on a CPU and lowered for CUDA (the GPU-compile check) is the step a
   GPU runs. ``"default"`` covers every other platform.
 
-  * ``"xla"``: the reference rule everywhere.
+  * ``"xla"``: the reference rule everywhere (:func:`reference.route`).
   * ``"pallas"``: the Pallas kernel (Triton on CUDA and ROCm, interpret mode
-    elsewhere).
-  * ``"native"``: the compiled CPU kernel on a CPU
-    (:func:`native_cpu.on_cpu`), the reference elsewhere.
+    elsewhere; :func:`pallas_gpu.route`).
+  * ``"native"``: the compiled CPU kernel on a CPU (:func:`native_cpu.route`),
+    the reference elsewhere.
   * ``"auto"``: Pallas on CUDA and ROCm; on a CPU the native kernel for the
-    fused ``tx.step`` and the reference for ``update``, where XLA fuses the
-    caller's ``p + u`` into the step and the custom call would write a
-    full-size update buffer instead (``benchmarks/step.py``); with a
-    ``packed`` state the native kernel for both (it steps the leaves in
-    their flat buffers, where XLA's rule would concatenate them back).
+    fused ``tx.step``, and for ``update`` with a ``packed`` state, where it
+    implements the rule; the reference for the rest.
 
-  ``runs_on="host"`` (host compute) runs the native kernel on a
-  single-device CPU backend (``split="direct"``), where host compute is the
-  same CPU, and the reference elsewhere: a CPU custom call inside a GPU
-  program's host region is not something XLA:GPU compiles.
-  A custom kernel is single-device code: with ``split="xla"`` (several
-  devices, placement unknown) the reference runs instead; with
-  ``"shard_map"`` the caller runs it per shard. Given the step's ``rule``, a
-  kernel that does not implement it is replaced by the reference.
+  ``fused``: for ``tx.step`` (True) or ``update``; ``runs_on``: where the
+  leaves are stepped (``"device"``, or ``"host"``: host compute); ``split``:
+  the plan's (:attr:`optax_hybrid.plan.Plan.split`: a custom kernel is
+  single-device code, run per shard for ``"shard_map"`` and replaced by the
+  reference for ``"xla"``); ``rule``: the rule the steps run, a kernel that
+  does not implement it giving way to the reference; ``packed``: the state's
+  layout is packed.
 
   Raises:
     ValueError: for an unknown name.
   """
-  if kernel not in KERNEL_NAMES:
-    check_kernel_name(kernel)
-  if kernel in ("native", "auto") and rule is not None and not native_cpu.implements(rule):
-    kernel, fused = ("xla", fused) if kernel == "native" else ("auto", False)  # "auto" without native: Pallas or XLA
-  fused = fused or packed  # for "auto" on a CPU: the native kernel
-  wants_native = kernel == "native" or (kernel == "auto" and fused)
-  if runs_on == "host":
-    if wants_native and split == "direct" and native_cpu.available():
-      return {"cpu": native_cpu.on_cpu, "default": reference.update_leaves}
-    return {"default": reference.update_leaves}
-  if kernel == "xla" or split == "xla":
-    return {"default": reference.update_leaves}
-  if kernel == "pallas":
-    return {"default": pallas_gpu.update_leaves}
-  if kernel == "native":
-    return {"cpu": _native_or_reference(kernel), "default": reference.update_leaves}
-  on_cpu = _native_or_reference(kernel) if fused else reference.update_leaves
-  return {"cuda": pallas_gpu.update_leaves, "rocm": pallas_gpu.update_leaves, "cpu": on_cpu,
-          "default": reference.update_leaves}
+  return ROUTES[check_kernel_name(kernel)](fused=fused, runs_on=runs_on, split=split, rule=rule, packed=packed)
 
 
-__all__ = ["KERNEL_NAMES", "LeafFacts", "LeafOperands", "LeafResult", "Step", "check_kernel_name", "contract",
+__all__ = ["KERNEL_NAMES", "ROUTES", "LeafFacts", "LeafOperands", "LeafResult", "Step", "check_kernel_name", "contract",
            "kernels_for", "lowering_for", "native_cpu", "pallas_gpu", "reference", "step_of"]

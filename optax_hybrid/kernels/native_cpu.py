@@ -314,6 +314,32 @@ def _in_pools(leaves, facts, s, step) -> list[contract.LeafResult]:
           for f, leaf in zip(firsts, leaves)]
 
 
+def route(*, fused: bool, runs_on: str, split: str, rule: Any, packed: bool, asked: bool = True) -> dict[str, Any]:
+  """``kernel="native"``'s table (:func:`optax_hybrid.kernels.kernels_for`): :func:`on_cpu` on a CPU, the
+  reference elsewhere.
+
+  The reference everywhere for a rule the loops do not compute
+  (:func:`implements`) and for a split the plan cannot see (``split="xla"``:
+  the kernel is single-device code). In host compute (``runs_on="host"``)
+  :func:`on_cpu` only on a one-device CPU backend (``split="direct"``), where
+  host compute is that CPU: a CPU custom call inside a GPU program's host
+  region is not something XLA:GPU compiles. Where the library is not built,
+  the reference, with a one-line warning: always when the kernel was
+  ``asked`` for by name, on a CPU backend when ``"auto"`` would have picked it.
+  """
+  del fused, packed
+  reference_only = {"default": reference.update_leaves}
+  if (rule is not None and not implements(rule)) or split == "xla":
+    return reference_only
+  if runs_on == "host":
+    return {"cpu": on_cpu, **reference_only} if split == "direct" and available() else reference_only
+  if not available():
+    if asked or jax.default_backend() == "cpu":
+      warn_fallback_once()
+    return {"cpu": reference.update_leaves, **reference_only}
+  return {"cpu": on_cpu, **reference_only}
+
+
 def update_leaves(
     leaves: Sequence[contract.LeafOperands],
     facts: Sequence[contract.LeafFacts],

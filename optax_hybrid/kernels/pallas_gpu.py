@@ -378,6 +378,21 @@ def _run(leaves, facts, s, step, *, interpret, block_size, rows_per_program, num
           for leaf, result in zip(leaves, results)]
 
 
+def route(*, fused: bool, runs_on: str, split: str, rule: Any, packed: bool) -> dict[str, Any]:
+  """``kernel="pallas"``'s table (:func:`optax_hybrid.kernels.kernels_for`): this kernel on every platform (Triton
+  on CUDA and ROCm, interpret mode elsewhere) for leaves stepped on the device, on one device or per shard.
+
+  The reference in host compute, where a Triton launch cannot go, and for a
+  split the plan cannot see (``split="xla"``: GSPMD partitions the rule).
+  A rule it does not implement is handed to the reference by
+  :func:`update_leaves` itself.
+  """
+  del fused, rule, packed
+  if runs_on == "host" or split == "xla":
+    return {"default": reference.update_leaves}
+  return {"default": update_leaves}
+
+
 def update_leaves(
     leaves: Sequence[contract.LeafOperands],
     facts: Sequence[contract.LeafFacts],

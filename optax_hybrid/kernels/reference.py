@@ -167,6 +167,13 @@ def with_reference_for_the_rest(
   return [next(kernel_out) if t else next(rule_out) for t in taken]
 
 
+def route(*, fused: bool, runs_on: str, split: str, rule: Any, packed: bool) -> dict[str, Callable]:
+  """``kernel="xla"``'s table (:func:`optax_hybrid.kernels.kernels_for`): this rule on every platform, wherever
+  the leaves run; XLA fuses each leaf's step and partitions it over any mesh."""
+  del fused, runs_on, split, rule, packed
+  return {"default": update_leaves}
+
+
 def update_leaves(
     leaves: Sequence[LeafOperands],
     facts: Sequence[LeafFacts],
