@@ -82,7 +82,7 @@ def watch(params: Any, plan: Any, owner: str, words: str) -> None:
   if not moves_memory_kinds(plan):
     return
   nodes = jax.tree.leaves(params, is_leaf=_is_variable)
-  if any(isinstance(x, _compat.Tracer) or isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(params)):
+  if any(isinstance(x, (_compat.Tracer, jax.ShapeDtypeStruct)) for x in jax.tree.leaves(params)):
     return  # an abstract init (eval_shape, jit): no loop runs with these
   variables = [v for v in nodes if _is_variable(v)]
   seen = _Seen(owner, words, variables=variables)

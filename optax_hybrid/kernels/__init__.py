@@ -105,5 +105,5 @@ def kernels_for(kernel: str, *, fused: bool, runs_on: str = "device", split: str
   return ROUTES[check_kernel_name(kernel)](fused=fused, runs_on=runs_on, split=split, rule=rule, packed=packed)
 
 
-__all__ = ["KERNEL_NAMES", "ROUTES", "LeafFacts", "LeafOperands", "LeafResult", "Step", "check_kernel_name", "contract",
-           "kernels_for", "lowering_for", "native_cpu", "pallas_gpu", "reference", "step_of"]
+__all__ = ["KERNEL_NAMES", "ROUTES", "LeafFacts", "LeafOperands", "LeafResult", "Step", "check_kernel_name",
+           "contract", "kernels_for", "lowering_for", "native_cpu", "pallas_gpu", "reference", "step_of"]
