@@ -152,13 +152,6 @@ def join_stack(stack: SplitStack, memory_kind: str | None = None) -> Any:
   return jax.tree.map(joined, stack.resident, stack.streamed)
 
 
-def parts_of(layers: Any) -> tuple[tuple[Any, int], ...]:
-  """``((part, first row), ...)``: the one or two stacks that ``layers`` (a stack or a :class:`SplitStack`) holds."""
-  if isinstance(layers, SplitStack):
-    return ((layers.resident, 0), (layers.streamed, layers.resident_layers))
-  return ((layers, 0),)
-
-
 def stack_rows(params: Any) -> dict[str, tuple[str, int, int]]:
   """``{keystr of a leaf in a SplitStack part: (that leaf's keystr in the whole stack, its first row, L)}``.
 
