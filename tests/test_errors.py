@@ -162,6 +162,15 @@ def _update_without_scales():
   tx.update(big, state._replace(mu_scales=None, nu_scales=None), big)
 
 
+def _init_with_a_route_without_default():
+  from optax_hybrid import kernels
+  kernels.ROUTES["no-default"] = lambda **where: {"cpu": kernels.reference.update_leaves}
+  try:
+    hybrid(kernel="no-default").init(PARAMS)
+  finally:
+    del kernels.ROUTES["no-default"]
+
+
 TRIGGERS = {
     "schedule-total": lambda: S(1.0, total_steps=10, warmup_steps=10),
     "schedule-total-too-large": lambda: S(1.0, total_steps=2**63),
@@ -185,6 +194,7 @@ TRIGGERS = {
     "hyperparameter-type": lambda: hybrid(b1=jnp.ones(3)),
     "flag-type": lambda: hybrid(adamw_mode="yes"),
     "kernel-unknown": lambda: hybrid(kernel="cuda"),
+    "kernel-route": _init_with_a_route_without_default,
     "moment-format-unknown": lambda: hybrid(moment_format="int8"),
     "moment-format-and-dtypes": lambda: hybrid(moment_format="8bit", mu_dtype=jnp.bfloat16),
     "quantized-state-no-scales": lambda: _update_without_scales(),

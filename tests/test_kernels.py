@@ -96,6 +96,10 @@ def test_a_kernel_defined_in_a_test_alone_is_routed_and_steps(monkeypatch):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6)
   with pytest.raises(ValueError, match="'counting'"):  # the names accepted include it
     optax_hybrid.hybrid_adamw(1e-2, kernel="counting2")
+  # A route without a "default" is refused when the plan is made, naming it.
+  monkeypatch.setitem(kernels.ROUTES, "counting", lambda **where: {"cpu": counting})
+  with pytest.raises(TypeError, match=r"kernels.ROUTES\['counting'\] must return .*\"default\""):
+    optax_hybrid.hybrid_adamw(1e-2, kernel="counting").init(params)
 
 
 def test_the_plan_decides_the_kernel_route_once_and_the_steps_follow_it():

@@ -101,8 +101,13 @@ def kernels_for(kernel: str, *, fused: bool, runs_on: str = "device", split: str
 
   Raises:
     ValueError: for an unknown name.
+    TypeError: for a route that gives no ``{platform: kernel}`` table with a ``"default"``.
   """
-  return ROUTES[check_kernel_name(kernel)](fused=fused, runs_on=runs_on, split=split, rule=rule, packed=packed)
+  table = ROUTES[check_kernel_name(kernel)](fused=fused, runs_on=runs_on, split=split, rule=rule, packed=packed)
+  if not isinstance(table, dict) or "default" not in table or not all(map(callable, table.values())):
+    raise TypeError(f"kernels.ROUTES[{kernel!r}] must return {{platform: kernel}}, kernels callable and "
+                    f"\"default\" covering the platforms not named; it returned {table!r}.")
+  return table
 
 
 __all__ = ["KERNEL_NAMES", "ROUTES", "LeafFacts", "LeafOperands", "LeafResult", "Step", "check_kernel_name",
