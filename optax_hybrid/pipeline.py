@@ -251,14 +251,14 @@ def run(leaves: list[LeafIn], plan: Plan, rule: Any, s: Any, count: Any, *, writ
       older = [i for i in range(len(leaves)) if at(i, where, stage - stored_back)]
       for i in older:
         if i in computed:
-          outs[i] = _store(plan.leaves[i], leaves[i], computed.pop(i))
+          outs[i] = _store(plan.leaves[i], computed.pop(i))
       group_in = _after(group_in, previous, older, computed, outs)
     step_group = _run_in_row_slices if plan.leaves[idx[0]].slice_rows else _run_group
     for i, result in zip(idx, step_group([plan.leaves[i] for i in idx], group_in, plan, rule, s,
                                          write_params=write_params)):
       computed[i] = result
   for i in list(computed):
-    outs[i] = _store(plan.leaves[i], leaves[i], computed.pop(i))
+    outs[i] = _store(plan.leaves[i], computed.pop(i))
   if plan.master.active:  # for the Optax contract: the update of a mastered leaf, or its param written over
     outs = _master_updates(outs, leaves, plan) if not write_params else _written_over_params(outs, leaves, plan)
   if plan.zero1:
@@ -289,21 +289,16 @@ def _after(group_in: list, previous: list[int], older: list[int], computed: dict
   return [leaf._replace(grad=g, state=st, param=p, master=m) for leaf, (g, st, p, m) in zip(group_in, arrays)]
 
 
-def _store(lp: LeafPlan, leaf: LeafIn, result: tuple) -> LeafOut:
-  """One leaf's results moved from where they were computed to where they live (as typed by :func:`gather`).
+# A value (a pytree of arrays) copied to memory ``space``, or as it is for None: what a plan's crossing names. A
+# lambda, not a function: it runs per operand of every step, and the traced path stays short (benchmarks/callpath.py).
+_copied = lambda x, space: x if space is None else jax.tree.map(lambda a: jax.device_put(a, space), x)  # noqa: E731
 
-  A disk leaf's state goes back to its files from where it was computed.
+
+def _store(lp: LeafPlan, result: tuple) -> LeafOut:
+  """One leaf's results moved from where they were computed to where they live (as typed by :func:`gather`):
+  where its plan says (:attr:`LeafPlan.results_to`).
   """
-  first, state, master = result
-  # Host compute leaves its results in host memory; a leaf stepped in place, slice by slice, in the buffers
-  # where each value lives.
-  if lp.runs_on == "host" or lp.slice_rows:
-    return LeafOut(_compat.move(first, lp.param_space), _compat.move(state, lp.state_space),
-                   _compat.move(master, lp.state_space))
-  # Computed on the device: copied out where the plan keeps a value elsewhere (a host_state param, the state).
-  put = lambda x, space: x if space == DEVICE else jax.tree.map(lambda a: jax.device_put(a, space), x)
-  return LeafOut(put(first, lp.param_space), state if lp.on_disk else put(state, lp.state_space),
-                 put(master, lp.state_space))
+  return LeafOut(*map(_copied, result, lp.results_to))
 
 
 def _run_group(plans: Sequence[LeafPlan], leaves: Sequence[LeafIn], plan: Plan, rule: Any, s: Any, *,
@@ -327,12 +322,8 @@ def _run_group(plans: Sequence[LeafPlan], leaves: Sequence[LeafIn], plan: Plan, 
       seed = master.random  # a random format's operand is its seed: a replicated scalar
       operands.append(LeafOperands(to(grad), to(leaf.state), to(param),
                                    _compat.move(leaf.master, HOST) if seed else to(leaf.master)))
-    elif lp.state_space == DEVICE:  # the state and (a device run's) param are on the device
-      operands.append(LeafOperands(grad, leaf.state, param, leaf.master))
-    else:  # the state in host memory as gather typed it (host_state; a disk leaf's master) is copied in
-      to = lambda x: jax.tree.map(lambda a: jax.device_put(a, DEVICE), x)
-      operands.append(LeafOperands(grad, leaf.state if lp.on_disk else to(leaf.state),
-                                   param if lp.param_space == DEVICE else to(param), to(leaf.master)))
+    else:  # what is elsewhere (the state of host_state, a disk leaf's master) is copied in, as its plan says
+      operands.append(LeafOperands(grad, *map(_copied, (leaf.state, param, leaf.master), lp.operands_to)))
   # The kernels' Step (contract.step_of's) from what the plan read of the rule once; a master format writes params.
   facts = [leaf.facts for leaf in leaves]
   step = Step(rule, write_params or master.active, plan.fields, plan.decay_mode, master, plan.layout.packed)

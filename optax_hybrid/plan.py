@@ -128,6 +128,10 @@ class LeafPlan:
       ``draws_as``' path) and where its first element's bits are drawn.
     on_one_device: the leaf is on one device, as init saw it
       (:func:`optax_hybrid.placement.sharding_of`).
+    operands_to, results_to: how the leaf's data crosses, from its tier
+      (:meth:`optax_hybrid.tiers.Tier.crossing`): the memory space a run copies
+      its state, param and master operands to, and each of its results to;
+      None where a value stays.
   """
 
   path: str
@@ -159,22 +163,27 @@ class LeafPlan:
   salt: int = dataclasses.field(init=False)
   draw_offset: int = dataclasses.field(init=False)
   on_one_device: bool = dataclasses.field(init=False)
+  operands_to: tuple = dataclasses.field(init=False)
+  results_to: tuple = dataclasses.field(init=False)
 
   def __post_init__(self):
+    tier = tiers_lib.BY_NAME[self.tier]
     derived = {
         "state_space": placement.space_of_kind(self.state_kind),
         "param_space": placement.space_of_kind(self.param_kind),
         # "host": computed in host compute (the host tier); else on the device.
-        "runs_on": tiers_lib.BY_NAME[self.tier].runs_on,
-        "on_disk": tiers_lib.BY_NAME[self.tier].files,
+        "runs_on": tier.runs_on,
+        "on_disk": tier.files,
         # Its data crosses the bus each step, in stages.
-        "streamed": tiers_lib.BY_NAME[self.tier].streamed,
+        "streamed": tier.streamed,
         "salt": masters.salt_of(self.draws_as[0] if self.draws_as else self.path),
         "draw_offset": self.draws_as[1] if self.draws_as else 0,
         "on_one_device": self.state_sharding is None and self.row_axes is None,
     }
     # The leaves that run together: same place, same stage, same master format (or none).
     derived["group"] = (derived["runs_on"], self.stage, self.master)
+    derived["operands_to"], derived["results_to"] = tier.crossing(
+        derived["state_space"], derived["param_space"], bool(self.slice_rows))
     for name, value in derived.items():
       object.__setattr__(self, name, value)
 

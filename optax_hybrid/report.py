@@ -18,7 +18,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from optax_hybrid import _compat, moments
+from optax_hybrid import _compat, moments, tiers as tiers_lib
 from optax_hybrid.base import is_state
 from optax_hybrid.disk import DiskMoment
 from optax_hybrid.paths import path_name, path_names
@@ -27,7 +27,6 @@ from optax_hybrid.transform import params_shaped_fields
 
 DEVICE, HOST, DISK = "device", "host", "disk"
 MEMORIES = (DEVICE, HOST, DISK)
-TIERS = ("device", "host_state", "host", "disk")
 OTHER_STATE = "other_state"
 COMPONENTS = ("params", "gradients", "moments", "master_weights", "other_state")
 # A rule's state fields shaped like the params are the state attached to each
@@ -84,8 +83,9 @@ class MemoryReport:
     num_leaves_without_state: param leaves no ``hybrid_*`` state holds state
       for (frozen, or optimized by another transform).
     weights_by_tier: tier -> number of weights.
-    by_tier: ``"device"``, ``"host_state"``, ``"host"``, ``"disk"`` and
-      ``"other_state"`` -> bytes by memory; a tier counts its params, their
+    by_tier: ``"device"``, ``"host_state"``, ``"host"``, ``"disk"`` (every
+      tier of :data:`optax_hybrid.tiers.BY_NAME`) and ``"other_state"`` ->
+      bytes by memory; a tier counts its params, their
       gradients and their attached state; the rows add up to the totals.
     by_component: ``"params"``, ``"gradients"``, ``"moments"`` (Adam's ``mu``
       and ``nu``), ``"master_weights"`` (master copies kept by the optimizer),
@@ -136,7 +136,7 @@ class MemoryReport:
     memories = MEMORIES if self.disk_bytes or self.weights_by_tier[DISK] else (DEVICE, HOST)
     row = lambda label, split: (label, *(_human(split[m]) for m in memories))
     table = [("", *(f"{m} memory" if m != DISK else "disk" for m in memories))]
-    for tier in TIERS if DISK in memories else TIERS[:-1]:
+    for tier in (t for t in tiers_lib.BY_NAME if DISK in memories or t != tiers_lib.DISK_TIER):
       table.append(row(f"{tier} tier ({self.weights_by_tier[tier]:,} weights)", self.by_tier[tier]))
     table += [row("other state", self.by_tier[OTHER_STATE]), None]
     names = {"params": "params", "gradients": "gradients (1 per param)", "moments": "optimizer moments",
@@ -339,14 +339,14 @@ class _Tally:
       for field, moment in leaf.files:
         where = f"opt_state{jax.tree_util.keystr(key_path)}.plan's {field} file of {path_name(sub_path)!r}"
         self.attach(where, sub_path, _Placed(moment, where, numpy_ok=False), field)
-      if leaf.tier in TIERS:
+      if leaf.tier in tiers_lib.BY_NAME:
         self.planned[self.index[path_names(sub_path)]] = leaf.tier
 
   def add_params_and_gradients(self) -> tuple[dict, dict, list]:
     """Each param and its gradient in its tier: returns bytes by tier, weights by tier, the leaves' rows."""
     leaves = []
-    by_tier = {tier: _split() for tier in (*TIERS, OTHER_STATE)}
-    weights_by_tier = {tier: 0 for tier in TIERS}
+    by_tier = {tier: _split() for tier in (*tiers_lib.BY_NAME, OTHER_STATE)}
+    weights_by_tier = {tier: 0 for tier in tiers_lib.BY_NAME}
     for (key_path, _), placed, state, plan_tier in zip(self.param_entries, self.placed_params, self.attached,
                                                         self.planned):
       tier = _tier_of(placed, state, plan_tier)

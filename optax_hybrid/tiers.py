@@ -40,10 +40,11 @@ from optax_hybrid import _compat, placement
 
 #: The tier names, the values of ``state_memory_kind`` that say where the update runs.
 DEVICE_TIER, HOST_STATE_TIER, HOST_TIER, DISK_TIER = "device", "host_state", "host", "disk"
-#: Every tier name.
+#: The built-in tiers' names (:data:`BY_NAME` holds every tier, one added there included).
 TIERS = (DEVICE_TIER, HOST_STATE_TIER, HOST_TIER, DISK_TIER)
 #: What ``state_memory_kind`` takes per leaf: the memory kinds (the state there, the update where the param
-#: lives) and the tier names (the update where the tier says), ``"device"`` being both.
+#: lives) and the built-in tier names (the update where the tier says), ``"device"`` being both; and the name
+#: of any tier added to :data:`BY_NAME`.
 PLACEMENTS = (placement.DEVICE_KIND, placement.HOST_KIND, HOST_STATE_TIER, HOST_TIER, DISK_TIER)
 
 
@@ -79,6 +80,38 @@ class Tier:
   crosses_in_slices: bool = False
   single_device_why: str | None = None
   packable: bool = False
+
+  def crossing(self, state_space: Any, param_space: Any, in_row_slices: bool) -> tuple[tuple, tuple]:
+    """How a leaf's data crosses to where its update runs and back: ``(operands_to, results_to)``.
+
+    The plan keeps both (:attr:`optax_hybrid.plan.LeafPlan.operands_to`,
+    ``results_to``), so the traced step copies what they name and asks
+    nothing else of the tier. ``operands_to``: the memory space the leaf's
+    state, param and master operands are copied to before the kernel (None:
+    already there); a device run's gradient is there already. A run in host
+    compute copies every operand, its gradient too, in the layout host
+    compute needs (:func:`optax_hybrid.placement.to_host`, which leaves
+    those in host memory alone). ``results_to``: the memory space each of
+    the kernel's results (first, state, master) is copied to after it
+    (None: it stays).
+
+    A tier whose fields are files finds its state on the device (loaded there
+    before the kernels run) and leaves it there to be written back. A run in
+    host compute leaves its results in host memory; a leaf stepped in slices
+    of rows writes them where they live.
+
+    Args:
+      state_space, param_space: the memory spaces the step types the leaf's
+        state (and master) and its param with.
+      in_row_slices: the leaf is stepped in slices of rows
+        (:attr:`optax_hybrid.plan.LeafPlan.slice_rows`).
+    """
+    state_at = _compat.DEVICE if self.files else state_space
+    homes = (param_space, state_at, state_space)
+    run_space = _compat.HOST if self.runs_on == "host" else _compat.DEVICE
+    results_at = homes if in_row_slices else (run_space,) * len(homes)
+    return (tuple(None if at == run_space else run_space for at in (state_at, param_space, state_space)),
+            tuple(None if at == home else home for at, home in zip(results_at, homes)))
 
 
 #: The tiers, by name.
@@ -167,14 +200,21 @@ def check_placement_spec(spec: PlacementSpec, owner: str = "optax_hybrid", argum
   for leaf in jax.tree.leaves(spec):
     _check_placement(leaf, argument, owner)
   if isinstance(spec, str) and spec != DEVICE_TIER and _compat.backends_are_initialized():
-    _check_available(f"`{argument}`={spec!r}", STATE_KIND.get(spec, spec), jax.devices()[0], owner)
+    _check_available(f"`{argument}`={spec!r}", _state_kind(spec), jax.devices()[0], owner)
+
+
+def _state_kind(value: str) -> str:
+  """The memory kind of the state a placement value (a memory kind or a tier's name) keeps in memory."""
+  return BY_NAME[value].state_kind if value in BY_NAME else value
 
 
 def _check_placement(value: Any, argument: str, owner: str) -> str:
-  if not isinstance(value, str) or value not in PLACEMENTS:
+  # The memory kinds and every tier's name, a tier added to BY_NAME included.
+  placements = tuple(dict.fromkeys((placement.DEVICE_KIND, placement.HOST_KIND, *BY_NAME)))
+  if not isinstance(value, str) or value not in placements:
     raise ValueError(
         f"{owner}: `{argument}`={value!r} is not a placement; use one of "
-        f"{', '.join(repr(t) for t in PLACEMENTS)} (docs/tiers.md), None (the state beside each param), "
+        f"{', '.join(repr(t) for t in placements)} (docs/tiers.md), None (the state beside each param), "
         "a callable (path, param) -> one of those, a tree of them shaped like the params (or a prefix of it), "
         "or optax_hybrid.by_fraction(...).")
   return value
@@ -302,10 +342,10 @@ def _leaf_placement(value: str | None, param_kind: str, path: str, owner: str) -
     raise ValueError(
         f"{owner}: the param at {path} lives in host memory, so it is updated on the host; give it "
         "state_memory_kind='host' or 'pinned_host' (its moments in host memory), not 'disk'.")
-  kind = param_kind if value is None else STATE_KIND.get(value, value)
+  kind = param_kind if value is None else _state_kind(value)
   if on_host:  # computed on the host, wherever its state is; or, asked for, on the device a slice at a time
     return (HOST_STATE_TIER if value == HOST_STATE_TIER else HOST_TIER), kind
-  if value in (HOST_STATE_TIER, HOST_TIER, DISK_TIER):
+  if value in BY_NAME and value != DEVICE_TIER:  # a tier named; "device" is a memory kind as well
     return value, kind
   return (DEVICE_TIER if kind == placement.DEVICE_KIND else HOST_STATE_TIER), kind
 

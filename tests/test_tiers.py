@@ -430,3 +430,54 @@ def test_each_tier_is_one_value_that_the_plan_reads():
       continue
     lp = optax_hybrid.hybrid_adamw(1e-3, state_memory_kind=name).init(params).plan.leaves[0]
     assert (lp.runs_on, lp.streamed, lp.on_disk) == (t[name].runs_on, t[name].streamed, t[name].files), name
+
+
+@pytest.mark.parametrize("name, param_space, in_row_slices, operands_to, results_to", [
+    # docs/tiers.md, its rows read as what crosses: (state, param, master) in; (first, state, master) back.
+    ("device", "D", False, (None, None, None), (None, None, None)),  # nothing crosses
+    ("host_state", "D", False, ("D", None, "D"), (None, "H", "H")),  # state and master in and back out
+    ("host_state", "H", False, ("D", "D", "D"), ("H", "H", "H")),  # a param in host memory (scan_layers) too
+    ("host_state", "D", True, ("D", None, "D"), (None, None, None)),  # slices written where they live
+    ("host", "D", False, (None, "H", None), ("D", None, None)),  # the param out; only the new param back
+    ("disk", "D", False, (None, None, "D"), (None, None, "H")),  # moments are files, loaded on the device
+])
+def test_each_tier_says_how_its_data_crosses(name, param_space, in_row_slices, operands_to, results_to):
+  space = {"D": optax_hybrid._compat.DEVICE, "H": HOST, None: None}
+  tier = tiers.BY_NAME[name]
+  state_space = placement.space_of_kind(tier.state_kind)
+  assert tier.crossing(state_space, space[param_space], in_row_slices) == (
+      tuple(map(space.get, operands_to)), tuple(map(space.get, results_to)))
+
+
+@needs_host
+def test_a_tier_defined_in_a_test_alone_places_and_steps(monkeypatch):
+  """A new tier is one value in ``tiers.BY_NAME``: the placement, the plan, the step's crossing and the memory
+  report take it, and it computes optax.adamw's step. This one keeps the state in host memory and steps every
+  leaf on the device at once, unstaged, beside device-tier leaves (one group, each leaf crossing its own way)."""
+  whole = tiers.Tier("host_state_whole", "pinned_host")
+  monkeypatch.setitem(tiers.BY_NAME, whole.name, whole)
+  params = make_params()
+  grads = grads_like(params, 3)
+  spec = {"emb": "host_state_whole", "w1": "device", "b1": "host_state_whole", "w2": "host_state", "s": "device"}
+  tx = optax_hybrid.hybrid_adamw(1e-2, weight_decay=0.1, state_memory_kind=spec)
+  state = tx.init(params)
+  names = sorted(params)  # the leaves' order
+  assert state.plan.tiers == tuple(spec[k] for k in names)
+  plans = dict(zip(names, state.plan.leaves))
+  assert not plans["emb"].streamed and plans["emb"].group == plans["b1"].group == plans["w1"].group
+  got, got_state = run(tx, params, grads, state=state)
+  ref, ref_state = params, optax.adamw(1e-2, weight_decay=0.1).init(params)
+  for g in grads:
+    u, ref_state = optax.adamw(1e-2, weight_decay=0.1).update(g, ref_state, ref)
+    ref = optax.apply_updates(ref, u)
+  for k in names:
+    np.testing.assert_allclose(np.asarray(got[k]), np.asarray(ref[k]), rtol=1e-5, atol=1e-6, err_msg=k)
+    np.testing.assert_allclose(np.asarray(got_state.nu[k]), np.asarray(ref_state[0].nu[k]), rtol=1e-4, atol=1e-9)
+    assert got_state.mu[k].sharding.memory_kind == ("device" if spec[k] == "device" else "pinned_host"), k
+    assert got[k].sharding.memory_kind == "device", k
+  report = optax_hybrid.memory_report(got, got_state)
+  assert report.weights_by_tier["host_state_whole"] == 50 * 8 + 16
+  assert report.by_tier["host_state_whole"]["host"] == 2 * 4 * (50 * 8 + 16)  # mu and nu, float32
+  with pytest.raises(ValueError, match="use one of 'device', 'pinned_host', 'host_state', 'host', 'disk', "
+                                       "'host_state_whole'"):
+    optax_hybrid.hybrid_adamw(1e-3, state_memory_kind="host_state_hole")
