@@ -14,9 +14,10 @@ these params), :meth:`~LeavesLayout.state_fields` (``init``: the state's
 attributes from one array per leaf), :meth:`~LeavesLayout.read` (a step: each
 leaf's stored values), :meth:`~LeavesLayout.written` (a step: the new
 attributes from each leaf's new values), :meth:`~LeavesLayout.params_treedef`,
-and :attr:`~LeavesLayout.packed` (its values are slices of flat buffers that a
-kernel may step in place: :class:`optax_hybrid.kernels.packed.PackedSlice`;
-a step in parts, which steps each leaf's arrays in place, needs arrays).
+:attr:`~LeavesLayout.packed` (its values are slices of flat buffers that a
+kernel may step in place: :class:`optax_hybrid.kernels.packed.PackedSlice`)
+and :attr:`~LeavesLayout.in_parts_why` (why a step in parts, which steps
+each leaf's arrays in place, cannot step it).
 """
 
 from __future__ import annotations
@@ -31,10 +32,20 @@ from optax_hybrid import _compat, moments
 
 @dataclasses.dataclass(frozen=True)
 class LeavesLayout:
-  """One array per param leaf in each params-shaped attribute (``state_layout="leaves"``)."""
+  """One array per param leaf in each params-shaped attribute (``state_layout="leaves"``).
+
+  Attributes:
+    name: the ``state_layout=`` name.
+    packed: its values are slices of flat buffers that a kernel may step in
+      place (:class:`optax_hybrid.kernels.packed.PackedSlice`).
+    in_parts_why: why a step in parts (``begin_step``, ``step_in_backward``),
+      which steps each leaf's arrays in place, cannot step this layout's
+      state; None: it can.
+  """
 
   name: str = "leaves"
   packed: bool = False
+  in_parts_why: str | None = None
 
   def laid_out(self, plan: Any, params: Any, attributes: Sequence[str]) -> "LeavesLayout":
     """The layout of ``params``' state (``attributes``: the state's params-shaped attributes): this one."""

@@ -61,9 +61,11 @@ class Layout:
   pools: tuple = ()
   slots: tuple = ()
 
-  # What the engine asks of a layout (optax_hybrid.layouts): its name, and its values are slices of flat buffers.
+  # What the engine asks of a layout (optax_hybrid.layouts): its name, its values are slices of flat buffers, and
+  # why a step in parts (each leaf's arrays stepped in place) cannot step them.
   name = "packed"
   packed = True
+  in_parts_why = "this state is packed"
 
   def laid_out(self, plan: Plan, params: Any, attributes: Sequence[str]) -> "Layout":
     """The layout of ``params``' state: :func:`make_layout`."""

@@ -452,9 +452,9 @@ class _Engine:
                        "exist. Build the optimizer with skip_nonfinite=False.")
     if _commit_check.PENDING:
       _commit_check.check_first_step(plan, state.count)
-    if plan.layout.packed:
+    if plan.layout.in_parts_why:
       raise ValueError(f"{self.rule.owner}: a step in parts (begin_step, step_in_backward) steps each leaf's "
-                       "state in place, one array per leaf; this state is packed. Build the optimizer with "
+                       f"state in place, one array per leaf; {plan.layout.in_parts_why}. Build the optimizer with "
                        "state_layout='leaves' (the default).")
     rows = _rows_stepped(by_rows, params, plan, placement_words(self.options))
     shaped = lambda tree: jax.tree.map(lambda p: jax.ShapeDtypeStruct(np.shape(p), jnp.asarray(p).dtype), tree)
