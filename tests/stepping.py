@@ -92,11 +92,14 @@ def call_kernel(kernel, g, m, v, p, decays, out_dtypes, s, *, adamw_mode, write_
 
   Params are passed to the kernel only where it reads them (decay or ``write_params``), as the step does.
   """
-  from optax_hybrid.kernels import LeafFacts, LeafOperands, step_of
+  from optax_hybrid import moments
+  from optax_hybrid.kernels import LeafFacts, LeafOperands, quantized, step_of
   from optax_hybrid.rules.adamw import AdamW
   leaves = [LeafOperands(gi, (mi, vi), pi if (d or write_params) else None)
             for gi, mi, vi, pi, d in zip(g, m, v, p, decays)]
-  facts = [LeafFacts(d, dt) for d, dt in zip(decays, out_dtypes)]
+  # A leaf's moment format, as init gives it: 8-bit for codes and scales, else the values as stored.
+  format_of = lambda mi: moments.BLOCKWISE_8BIT if isinstance(mi, quantized.QuantizedMoment) else moments.AS_STORED
+  facts = [LeafFacts(d, dt, moments=format_of(mi)) for d, dt, mi in zip(decays, out_dtypes, m)]
   results = kernel(leaves, facts, s, step_of(AdamW(adamw_mode=adamw_mode), write_params), **kwargs)
   return [r.first for r in results], [r.state[0] for r in results], [r.state[1] for r in results]
 

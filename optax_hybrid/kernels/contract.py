@@ -70,8 +70,9 @@ class LeafFacts(NamedTuple):
     moments: the leaf's moment format (:class:`optax_hybrid.moments.MomentFormat`):
       a kernel takes the leaf if the format names it (``kernels``), and the
       reference rule decodes and encodes its fields through it. None: the
-      fields are arrays, or 8-bit :class:`~optax_hybrid.kernels.quantized.QuantizedMoment` s,
-      each kernel reading them as it recognises them.
+      reference reads the fields as the values themselves; a kernel that
+      implements a format may still recognise its stored values by type
+      (8-bit :class:`~optax_hybrid.kernels.quantized.QuantizedMoment` s).
   """
 
   decay: bool

@@ -330,8 +330,9 @@ def _eight_bit_body(eight_bit, leaves, facts, layout, refs, outs, program, rule_
     if decay:
       decays = pick([1.0 if facts[i].decay else 0.0 for i in eight_bit], jnp.float32)
       tile_scalars = scalars._replace(weight_decay=scalars.weight_decay * decays)
+    # The 8-bit leaves share this body, so their format (the one that names this kernel) decodes every tile.
     first, new, _ = rule_step(g, state, p if reads_param else None, tile_scalars, decay=decay,
-                              update_dtype=jnp.float32)
+                              update_dtype=jnp.float32, moments=facts[eight_bit[0]].moments)
 
     def storer(slot, fact):
       def store():

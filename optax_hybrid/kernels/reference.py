@@ -22,7 +22,7 @@ keeps, and the format writes :math:`p + u` back to both
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Sequence, Union
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -30,21 +30,12 @@ from jax import lax
 
 from optax_hybrid import _compat, masters
 from optax_hybrid.base import DECOUPLED, L2
-from optax_hybrid.kernels import packed, quantized
+from optax_hybrid.kernels import packed
 from optax_hybrid.kernels.contract import LeafFacts, LeafOperands, LeafResult, Step
 
 
-# A field's value in its storage format: an array, or 8-bit block-wise codes and scales.
-Stored = Union[jax.Array, quantized.QuantizedMoment]
-
-
-# A field decoded and encoded without its moment format (a kernel's operands as they come): by what it is.
-def _decode(x, *, signed):
-  return quantized.dequantize(x, signed=signed) if isinstance(x, quantized.QuantizedMoment) else x
-
-
-def _encode(x, *, like, signed):
-  return quantized.quantize(x, signed=signed) if isinstance(like, quantized.QuantizedMoment) else x.astype(like.dtype)
+# A field's value in its storage format: an array, or what its moment format stores (8-bit: codes and scales).
+Stored = Any
 
 
 def leaf_update(step: Step, grad: jax.Array, state: Sequence[Stored], param: jax.Array | None, s: Any, *,
@@ -58,10 +49,9 @@ def leaf_update(step: Step, grad: jax.Array, state: Sequence[Stored], param: jax
   new parameter ``p + update``, added in float32 and rounded once to the
   param's dtype (``update_dtype`` is then the param's dtype): the fused apply.
   ``moments``: the fields' moment format (:attr:`LeafFacts.moments`), which
-  decodes and encodes them; None: arrays, or 8-bit codes and scales.
+  decodes and encodes them; None: the fields are the values themselves.
   """
-  decode, encode = (_decode, _encode) if moments is None else (moments.decode, moments.encode)
-  coded = moments is None or moments.encodes  # else the stored values are the values, in their dtype
+  coded = moments is not None and moments.encodes  # else the stored values are the values, in their dtype
   dtype = jnp.promote_types(grad.dtype, jnp.float32)  # float32, or wider (complex: its complex type)
   g = grad.astype(dtype)
   decay = decay and step.decay is not None
@@ -71,7 +61,7 @@ def leaf_update(step: Step, grad: jax.Array, state: Sequence[Stored], param: jax
     g = g + s.weight_decay * p
   real, values = jnp.finfo(dtype).dtype, []
   for f, x in zip(step.fields, state):  # decoded to the compute dtype (8-bit codes dequantized)
-    values.append((decode(x, signed=f.signed) if coded else x).astype(real if f.real else dtype))
+    values.append((moments.decode(x, signed=f.signed) if coded else x).astype(real if f.real else dtype))
   update, new_values = step.rule.update(g, tuple(values), s)
   if decay and step.decay == DECOUPLED:
     update = update - (s.learning_rate * s.weight_decay) * p
@@ -81,7 +71,7 @@ def leaf_update(step: Step, grad: jax.Array, state: Sequence[Stored], param: jax
     first, unchanged = update.astype(update_dtype), None
   new = []
   for f, x, old in zip(step.fields, new_values, state):  # encoded in the old value's storage format
-    new.append(encode(x, like=old, signed=f.signed) if coded else x.astype(old.dtype))
+    new.append(moments.encode(x, like=old, signed=f.signed) if coded else x.astype(old.dtype))
   new = tuple(new)
   if s.step_ok is not None:
     # A scalar predicate selects without broadcasting, which host compute needs.
@@ -200,8 +190,7 @@ def _leaf_result(leaf: LeafOperands, fact: LeafFacts, s: Any, step: Step, offset
   here to be stepped whole, at their ``offset`` in the leaf).
   """
   # A format that decodes to float32 temporaries (8-bit) is stepped in slices of rows when large.
-  sliced = bool(leaf.state) and (fact.moments.in_row_slices if fact.moments is not None else
-                                 isinstance(leaf.state[0], quantized.QuantizedMoment))
+  sliced = bool(leaf.state) and fact.moments is not None and fact.moments.in_row_slices
   if sliced and leaf.grad.size > SLICE_VALUES:
     lead = _row_axes(leaf, fact)
     row = math.prod(leaf.grad.shape[lead:])
