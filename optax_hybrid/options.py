@@ -309,6 +309,15 @@ def _checked_storage(owner: str, s: Storage, rule: Any) -> Storage:
       raise ValueError(f"{owner}: unknown `moment_format`={s.moment_format!r}; accepted values are "
                        f"{', '.join(repr(f) for f in MOMENT_FORMATS)}, an optax_hybrid.moments.MomentFormat (or "
                        f"None: each field's own dtype).")
+    held = getattr(rule.state_type, "_fields", ())
+    missing = [f.name + suffix for suffix in moments_lib.resolve(s.moment_format).suffixes for f in rule.fields
+               if f.name + suffix not in held]
+    if missing:  # a format keeps its other arrays in params-shaped attributes the rule's state type declares
+      raise ValueError(
+          f"{owner}: `moment_format`={s.moment_format!r} keeps {', '.join(map(repr, missing))} beside the rule's "
+          f"fields, which its state type {rule.state_type.__name__} does not hold (it holds {', '.join(held)}). "
+          "A format keeps at most one array beside each field, under the suffix the rules' state types declare: "
+          "suffixes=(\"_scales\",).")
     if asked:
       names = " / ".join(f"`{f.dtype_argument}`" for f in rule.fields if f.dtype_argument)
       raise ValueError(f"{owner}: pass either `moment_format` or {names}, not both: "

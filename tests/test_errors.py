@@ -5,6 +5,7 @@ row) fails too. Every update error is also checked to leave the state intact,
 even through a jitted step that donates it.
 """
 
+import dataclasses
 import os
 import re
 import types
@@ -33,6 +34,13 @@ def table_rows():
 
 PARAMS = {"w": jnp.ones((5, 7)), "b": jnp.zeros(7)}
 GRADS = {"w": jnp.full((5, 7), 0.5), "b": jnp.full(7, 0.25)}
+
+
+@dataclasses.dataclass(frozen=True)
+class FormatWithItsOwnSuffix(optax_hybrid.moments.Blockwise8bit):
+  """8-bit storage whose scales go under a suffix no rule's state type declares."""
+  name: str = "8bit, amax"
+  suffixes: tuple = ("_amax",)
 
 
 def hybrid(**kwargs):
@@ -196,6 +204,7 @@ TRIGGERS = {
     "kernel-unknown": lambda: hybrid(kernel="cuda"),
     "kernel-route": _init_with_a_route_without_default,
     "moment-format-unknown": lambda: hybrid(moment_format="int8"),
+    "moment-format-suffix": lambda: hybrid(moment_format=FormatWithItsOwnSuffix()),
     "moment-format-and-dtypes": lambda: hybrid(moment_format="8bit", mu_dtype=jnp.bfloat16),
     "quantized-state-no-scales": lambda: _update_without_scales(),
     "memory-kind-unknown": lambda: hybrid(state_memory_kind="unpinned_host"),
