@@ -68,9 +68,10 @@ def count(path: str, kernel: str, leaves: int) -> dict:
   seen = list(dict.fromkeys((m, f) for m, f, *_ in calls if not f.startswith("<")))
   code_objects = {(m, f, line) for m, f, _, line in calls}
   switches = sum(1 for a, b in zip(calls, calls[1:]) if a[0] != b[0])
+  above = imported_by(root)  # read once: each module file's imports, parsed
   return {"functions": len(seen), "modules": len({m for m, _ in seen}), "switches": switches,
           "calls": len(calls), "depth": max(c[2] for c in calls), "code_objects": len(code_objects), "seen": seen,
-          "climbs": sorted(e for e in edges if e[0] in imported_by(root).get(e[2], ()))}
+          "climbs": sorted(e for e in edges if e[0] in above.get(e[2], ()))}
 
 
 def imported_by(root: str) -> dict:
